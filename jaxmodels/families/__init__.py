@@ -1,0 +1,37 @@
+"""Family registry: HF `model_type` -> (config mapping, checkpoint name map)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from jaxmodels.config import ModelConfig
+from jaxmodels.families import cohere, llama, mistral, qwen3
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config: Callable[[dict], ModelConfig]
+    names: dict  # HF tensor name regex -> (param path, transform)
+
+
+FAMILIES = {
+    "llama": Family("llama", llama.config, llama.NAMES),
+    "mistral": Family("mistral", mistral.config, mistral.NAMES),
+    "qwen3": Family("qwen3", qwen3.config, qwen3.NAMES),
+    "cohere": Family("cohere", cohere.config, cohere.NAMES),
+    "cohere2": Family("cohere2", cohere.config2, cohere.NAMES),
+}
+
+
+def get(model_type: str) -> Family:
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(f"unknown architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}") from None
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    if "model_type" not in hf:
+        raise ValueError("config.json has no 'model_type'; cannot tell the architecture")
+    return get(hf["model_type"]).config(hf)

@@ -1,0 +1,1 @@
+"""Pure-function building blocks shared by every family."""

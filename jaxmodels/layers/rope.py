@@ -1,0 +1,90 @@
+"""Rotary position embeddings: frequency tables (host, fp32 like HF) and their application."""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmodels.config import RopeSpec
+
+F32 = np.float32
+
+
+def _default_inv_freq(theta: float, dim: int) -> np.ndarray:
+    # The same fp32 op sequence as HF: base ** (arange(0, dim, 2) / dim), then 1 / that.
+    return (F32(1.0) / (F32(theta) ** (np.arange(0, dim, 2, dtype=F32) / F32(dim)))).astype(F32)
+
+
+def inv_freq(spec: RopeSpec, dim: int) -> tuple[np.ndarray, float]:
+    """Returns (inv_freq [dim/2] float32, attention_factor) for a static RoPE spec."""
+    base = _default_inv_freq(spec.theta, dim)
+    if spec.kind in ("default", "dynamic"):  # dynamic is rescaled at run time (see cos_sin)
+        return base, 1.0
+    if spec.kind == "linear":
+        return (base / F32(spec.factor)).astype(F32), 1.0
+    if spec.kind == "llama3":
+        f, lf, hf = F32(spec.factor), F32(spec.low_freq_factor), F32(spec.high_freq_factor)
+        old = F32(spec.original_max_position)
+        low_wavelen, high_wavelen = old / lf, old / hf
+        wavelen = F32(2 * math.pi) / base
+        scaled = np.where(wavelen > low_wavelen, base / f, base).astype(F32)
+        smooth = ((old / wavelen - lf) / (hf - lf)).astype(F32)
+        smoothed = ((F32(1) - smooth) * scaled / f + smooth * scaled).astype(F32)
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(F32), 1.0
+    if spec.kind == "yarn":
+        return _yarn(spec, dim)
+    raise ValueError(f"unsupported rope kind {spec.kind!r}")
+
+
+def _yarn(spec: RopeSpec, dim: int) -> tuple[np.ndarray, float]:
+    f, theta = spec.factor, spec.theta
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    af = spec.attention_factor
+    if af is None:
+        af = mscale(f, spec.mscale) / mscale(f, spec.mscale_all_dim) if spec.mscale and spec.mscale_all_dim else mscale(f)
+
+    def corr(rot):  # python float64, as HF
+        return dim * math.log(spec.original_max_position / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = corr(spec.beta_fast), corr(spec.beta_slow)
+    if spec.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=F32) - F32(lo)) / F32(hi - lo), 0, 1).astype(F32)
+    extrap = (F32(1) - ramp).astype(F32)
+    pos_freqs = F32(theta) ** (np.arange(0, dim, 2, dtype=F32) / F32(dim))
+    inv_extrap = F32(1) / pos_freqs
+    inv_interp = F32(1) / (F32(f) * pos_freqs)
+    return (inv_interp * (F32(1) - extrap) + inv_extrap * extrap).astype(F32), float(af)
+
+
+def cos_sin(spec: RopeSpec, dim: int, positions, dtype, max_position: int | None = None):
+    """cos, sin of shape positions.shape + (dim/2,), scaled by the attention factor, cast to `dtype`."""
+    inv, af = inv_freq(spec, dim)
+    inv = jnp.asarray(inv)
+    if spec.kind == "dynamic":  # NTK: stretch the base once the sequence outgrows the trained length
+        old = spec.original_max_position or max_position
+        seq = jnp.maximum(jnp.max(positions) + 1, old).astype(jnp.float32)
+        base = spec.theta * ((spec.factor * seq / old) - (spec.factor - 1)) ** (dim / (dim - 2))
+        inv = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    ang = positions.astype(jnp.float32)[..., None] * inv
+    return (jnp.cos(ang) * af).astype(dtype), (jnp.sin(ang) * af).astype(dtype)
+
+
+def apply(x, cos, sin, interleaved: bool):
+    """Rotate x [B, T, heads, d] by tables [B, T, d/2]."""
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    if not interleaved:  # rotate_half: (x1, x2) halves, in the activation dtype
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    # Interleaved pairs (Cohere); HF upcasts q/k to fp32 for this rotation and casts back.
+    x32 = x.astype(jnp.float32)
+    c, s = c.astype(jnp.float32), s.astype(jnp.float32)
+    xe, xo = x32[..., 0::2], x32[..., 1::2]
+    out = jnp.stack([xe * c - xo * s, xo * c + xe * s], axis=-1).reshape(x.shape)
+    return out.astype(x.dtype)

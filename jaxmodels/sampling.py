@@ -1,0 +1,57 @@
+"""Next-token selection from logits: greedy, or temperature with top-k / top-p / min-p filters."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+NEG = -jnp.inf
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filter_logits(logits, s: Sampling):
+    """Mask (to -inf) every token the filters exclude; logits [B, V] float32, already temperature-scaled."""
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, s.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, NEG, logits)
+    if s.min_p is not None:
+        probs = jax.nn.softmax(logits, axis=-1)
+        logits = jnp.where(probs < s.min_p * probs.max(-1, keepdims=True), NEG, logits)
+    if s.top_p is not None and s.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        drop_sorted = cum - jax.nn.softmax(sorted_logits, axis=-1) >= s.top_p  # mass before this token
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, NEG, logits)
+    return logits
+
+
+def sample(logits, key, s: Sampling):
+    """logits [B, V] -> token ids [B] int32."""
+    if s.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = filter_logits(logits.astype(jnp.float32) / s.temperature, s)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -1,0 +1,1 @@
+"""Placeholder package: see the issues that build it."""

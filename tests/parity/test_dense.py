@@ -1,0 +1,93 @@
+"""Parity of the dense families with HF transformers (fp32 eager) through the public import path."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import converters
+import jaxmodels as jm
+from jaxmodels import model as M
+from tests.parity import hf_reference as ref
+
+FAMILIES = ["llama", "qwen3", "mistral", "cohere", "cohere2", "llama_tied", "llama_bias", "qwen3_full",
+            "mistral_full", "cohere_noqk"]
+T = 64  # sequence length; every tiny config has a window of 6 < T
+ATOL = 1e-4  # issue #2: max |Δlogit| in fp32, short positions and past 4096
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """(HF model, our converted fp32 model) built from the same random weights."""
+    hf = ref.build(ref.tiny_config(request.param))
+    src = tmp_path_factory.mktemp(request.param) / "hf"
+    hf.save_pretrained(src)
+    dst = converters.convert(src, src.parent / "converted", dtype="float32", progress=False)
+    return request.param, hf, jm.load(dst)
+
+
+def _ids(batch=2, t=T, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (batch, t)).astype(np.int32)
+
+
+@pytest.mark.parametrize("offset", [0, 4096, 5000])
+def test_logits_match_hf(pair, offset):
+    name, hf, ours = pair
+    ids = _ids()
+    want = ref.logits(hf, ids, offset)
+    pos = jnp.asarray(np.arange(T)[None].repeat(2, 0) + offset, jnp.int32)
+    got = np.asarray(M.forward(ours.params, ours.config, jnp.asarray(ids), pos))
+    err = np.abs(got - want).max()
+    assert err <= ATOL, f"{name} offset {offset}: max |Δlogit| {err:.2e} (logit scale {np.abs(want).max():.2f})"
+
+
+def test_public_forward_matches_hf(pair):
+    _, hf, ours = pair
+    ids = _ids(seed=1)
+    np.testing.assert_allclose(np.asarray(jm.forward(ours, ids)), ref.logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_greedy_matches_hf_generate(pair):
+    _, hf, ours = pair
+    ids = _ids(batch=2, t=12, seed=2)
+    want = ref.greedy(hf, ids, 32)
+    got = jm.generate(ours, [list(r) for r in ids], max_new_tokens=32, ignore_eos=True).tokens
+    assert np.array_equal(np.asarray(got), want)
+
+
+def test_cached_decode_equals_full_forward(pair):
+    """Prefill a ragged batch, then decode teacher-forced: every step's logits equal the full forward."""
+    _, _, ours = pair
+    cfg, p = ours.config, ours.params
+    seq = _ids(batch=2, t=40, seed=3)
+    lengths = np.array([9, 14])  # different prompt lengths; both run past the window of 6
+    full = np.asarray(M.forward(p, cfg, jnp.asarray(seq)))
+    prompt = np.where(np.arange(16)[None] < lengths[:, None], seq[:, :16], 0)
+    cache = M.init_cache(cfg, 2, 48, p["embed"].dtype)
+    logits, cache = M.prefill(p, cfg, jnp.asarray(prompt), jnp.asarray(lengths), cache)
+    np.testing.assert_allclose(logits, full[[0, 1], lengths - 1], atol=ATOL, rtol=0)
+    for step in range(20):
+        pos = lengths + step
+        tok = seq[[0, 1], pos]
+        logits, cache = M.decode_step(p, cfg, jnp.asarray(tok), jnp.asarray(pos), cache)
+        np.testing.assert_allclose(logits, full[[0, 1], pos], atol=ATOL, rtol=0, err_msg=f"decode step {step}")
+
+
+def test_bf16_forward_close_to_hf_fp32(pair, tmp_path):
+    """bf16 weights and activations vs the fp32 reference.
+
+    Bound: bf16 keeps 8 mantissa bits (relative rounding 2^-9 ≈ 0.2%) and each of the ~10 roundings
+    per layer adds to that; the spec measured HF's own bf16 model at 0.4–5% of the logit range against
+    a float64 reference. We allow 6% of the range and require the top-1 token to agree where fp32's
+    margin between first and second exceeds that bound.
+    """
+    name, hf, ours = pair
+    bf = jm.Model(ours.config, {k: v for k, v in ours.params.items()}, None)
+    bf.params = __import__("jax").tree.map(lambda a: a.astype(jnp.bfloat16), ours.params)
+    ids = _ids(seed=4)
+    want = ref.logits(hf, ids)
+    got = np.asarray(jm.forward(bf, ids))
+    rng = want.max() - want.min()
+    bound = 0.06 * rng
+    assert np.abs(got - want).max() <= bound, f"{name}: bf16 error {np.abs(got - want).max():.3f} > {bound:.3f}"
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 2 * bound
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
