@@ -114,7 +114,8 @@ class GGUFReader:
         if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             c = self.hf_config
             n = c["num_attention_heads"] if "q_proj" in name else c["num_key_value_heads"]
-            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            # llama.cpp stored rows as reshape(n, 2, d/2).swapaxes(1, 2); invert that.
+            w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         return w
 
     def tokenizer(self) -> Tokenizer:
