@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 
 from jaxmodels.config import ModelConfig
@@ -34,7 +35,9 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, overwr
         ckpt.wait_until_finished()
         if tokenizer is not None:
             tokenizer.save(tmp)
-        meta = {"format_version": FORMAT_VERSION, "config": cfg.to_dict()}
+        dtypes = sorted({str(a.dtype) for a in jax.tree.leaves(params)})
+        meta = {"format_version": FORMAT_VERSION, "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+                "config": cfg.to_dict()}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
         if dst.exists():
             shutil.rmtree(dst)
@@ -50,6 +53,10 @@ def load_config(path: str | Path) -> ModelConfig:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: unsupported jaxmodels format version {meta.get('format_version')}")
     return ModelConfig.from_dict(meta["config"])
+
+
+def load_meta(path: str | Path) -> dict:
+    return json.loads((Path(path) / CONFIG_FILE).read_text())
 
 
 def load_params(path: str | Path, target=None) -> dict:

