@@ -45,6 +45,9 @@ VARIANTS = {
     "qwen3_full": ("qwen3", {"use_sliding_window": False, "layer_types": None}),
     "mistral_full": ("mistral", {"sliding_window": None}),
     "cohere_noqk": ("cohere", {"use_qk_norm": False}),
+    # 6 layers of an LLLG plan: one scanned period plus an unrolled tail of 2
+    "cohere2_tail": ("cohere2", {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 3
+                                 + ["full_attention"] + ["sliding_attention"] * 2}),
 }
 
 

@@ -1,4 +1,5 @@
 """Parity of the dense families with HF transformers (fp32 eager) through the public import path."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from jaxmodels import model as M
 from tests.parity import hf_reference as ref
 
 FAMILIES = ["llama", "qwen3", "mistral", "cohere", "cohere2", "llama_tied", "llama_bias", "qwen3_full",
-            "mistral_full", "cohere_noqk"]
+            "mistral_full", "cohere_noqk", "cohere2_tail"]
 T = 64  # sequence length; every tiny config has a window of 6 < T
 ATOL = 1e-4  # issue #2: max |Δlogit| in fp32, short positions and past 4096
 
@@ -22,6 +23,10 @@ def pair(request, tmp_path_factory):
     hf.save_pretrained(src)
     dst = converters.convert(src, src.parent / "converted", dtype="float32", progress=False)
     return request.param, hf, jm.load(dst)
+
+
+_prefill = jax.jit(M.prefill, static_argnums=1)
+_decode = jax.jit(M.decode_step, static_argnums=1)
 
 
 def _ids(batch=2, t=T, seed=0):
@@ -62,12 +67,12 @@ def test_cached_decode_equals_full_forward(pair):
     full = np.asarray(M.forward(p, cfg, jnp.asarray(seq)))
     prompt = np.where(np.arange(16)[None] < lengths[:, None], seq[:, :16], 0)
     cache = M.init_cache(cfg, 2, 48, p["embed"].dtype)
-    logits, cache = M.prefill(p, cfg, jnp.asarray(prompt), jnp.asarray(lengths), cache)
+    logits, cache = _prefill(p, cfg, jnp.asarray(prompt), jnp.asarray(lengths), cache)
     np.testing.assert_allclose(logits, full[[0, 1], lengths - 1], atol=ATOL, rtol=0)
     for step in range(20):
         pos = lengths + step
         tok = seq[[0, 1], pos]
-        logits, cache = M.decode_step(p, cfg, jnp.asarray(tok), jnp.asarray(pos), cache)
+        logits, cache = _decode(p, cfg, jnp.asarray(tok), jnp.asarray(pos), cache)
         np.testing.assert_allclose(logits, full[[0, 1], pos], atol=ATOL, rtol=0, err_msg=f"decode step {step}")
 
 
@@ -80,8 +85,7 @@ def test_bf16_forward_close_to_hf_fp32(pair, tmp_path):
     margin between first and second exceeds that bound.
     """
     name, hf, ours = pair
-    bf = jm.Model(ours.config, {k: v for k, v in ours.params.items()}, None)
-    bf.params = __import__("jax").tree.map(lambda a: a.astype(jnp.bfloat16), ours.params)
+    bf = jm.Model(ours.config, jax.tree.map(lambda a: a.astype(jnp.bfloat16), ours.params))
     ids = _ids(seed=4)
     want = ref.logits(hf, ids)
     got = np.asarray(jm.forward(bf, ids))
