@@ -50,7 +50,8 @@ def rope_spec(rp: dict, default_theta: float, max_position: int, interleaved: bo
         interleaved=interleaved,
         low_freq_factor=float(rp.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rp.get("high_freq_factor", 4.0)),
-        original_max_position=rp.get("original_max_position_embeddings") or (max_position if kind == "dynamic" else None),
+        # HF's dynamic NTK rescales against max_position_embeddings, never the "original" field
+        original_max_position=max_position if kind == "dynamic" else rp.get("original_max_position_embeddings"),
         beta_fast=float(rp.get("beta_fast") or 32.0),
         beta_slow=float(rp.get("beta_slow") or 1.0),
         truncate=bool(rp.get("truncate", True)),

@@ -95,3 +95,22 @@ def test_bf16_forward_close_to_hf_fp32(pair, tmp_path):
     top2 = np.sort(want, axis=-1)[..., -2:]
     clear = (top2[..., 1] - top2[..., 0]) > 2 * bound
     assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "dynamic", "factor": 4.0},
+    {"rope_type": "linear", "factor": 3.0},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256},
+])
+def test_llama_rope_scalings_match_hf(rope_scaling, tmp_path):
+    """Scalings the spec's tiny configs do not cover; dynamic NTK only differs past max_position_embeddings."""
+    cfg = {**ref.tiny_config("llama"), "rope_scaling": rope_scaling, "max_position_embeddings": 512}
+    hf = ref.build(cfg, seed=5)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = jm.load(tmp_path / "hf")
+    ids = _ids(seed=6)
+    for offset in (0, 1000):
+        want = ref.logits(hf, ids, offset)
+        pos = jnp.asarray(np.arange(T)[None].repeat(2, 0) + offset, jnp.int32)
+        got = np.asarray(M.forward(ours.params, ours.config, jnp.asarray(ids), pos))
+        assert np.abs(got - want).max() <= ATOL, (rope_scaling["rope_type"], offset, np.abs(got - want).max())
