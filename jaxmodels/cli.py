@@ -87,13 +87,11 @@ def _generate(args) -> int:
     import jaxmodels as jm
 
     model = jm.load(args.model, dtype=args.dtype)
-    out = jm.generate(model, list(args.prompt), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
-                      chat=args.chat)
-    # Time a second, compiled run for tokens/s; the first included compilation.
-    warm = jm.generate(model, list(args.prompt), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
-                       chat=args.chat) if args.timing else None
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              min_p=args.min_p, seed=args.seed, stop=args.stop or None, chat=args.chat)
+    out = jm.generate(model, list(args.prompt), **kw)
+    # The first call includes compilation; a second, compiled run gives the tokens/s.
+    warm = jm.generate(model, list(args.prompt), **kw) if args.timing else None
     for prompt, text, toks in zip(args.prompt, out.texts or [None] * len(out.tokens), out.tokens):
         print(f"> {prompt}")
         print(text if text is not None else toks)
