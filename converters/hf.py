@@ -83,22 +83,27 @@ def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32",
             out[path][rank] = value
         else:
             out[path] = value
-    missing = [p for p, s in shapes.items() for r in ([None] if not p.startswith("layers/") else range(s[0]))
+    missing = [(p, r) for p, s in shapes.items() for r in ([None] if not p.startswith("layers/") else range(s[0]))
                if (p, r) not in filled]
     if missing:
-        raise CheckpointError(f"missing tensors for {len(missing)} parameters, e.g. {_describe(missing[:3], pl)}")
+        raise CheckpointError(f"missing {len(missing)} tensors, e.g. {_describe(missing[:3], pl, names)}")
     return unflatten(out)
 
 
-def _describe(missing, pl):
+def _describe(missing, pl, names) -> str:
+    """'model.layers.1.mlp.up_proj.weight (layer 1: mlp/w_up)' for each missing (path, rank)."""
     out = []
-    for p, r in missing:
-        if r is None:
-            out.append(p)
+    for path, rank in missing:
+        layer, rel = None, path
+        if rank is not None:
+            kind, rel = path.split("/", 2)[1:]
+            layer = next(i for i, (k, r) in enumerate(zip(pl.kind_of, pl.rank_of)) if k == int(kind) and r == rank)
+        source = next((pat for pat, (target, _) in names.items() if target == rel), None)
+        where = rel if layer is None else f"layer {layer}: {rel}"
+        if source is None:
+            out.append(where)
         else:
-            kind = int(p.split("/")[1])
-            layer = [i for i, (k, rk) in enumerate(zip(pl.kind_of, pl.rank_of)) if k == kind and rk == r][0]
-            out.append(f"layer {layer}: {p.split('/', 2)[2]}")
+            out.append(f"{source.replace(chr(92), '').replace('{i}', str(layer))} ({where})")
     return ", ".join(out)
 
 
