@@ -1,0 +1,822 @@
+"""Dense-model speed on one GPU: jaxmodels vs HF transformers (PyTorch) at Llama-3.1-8B shape.
+
+Random bf16 weights at real shapes (speed does not depend on the values). Measures, in one run:
+
+  ceilings   HBM bandwidth (JAX elementwise / reduction, torch copy / reduction) and the bf16 matmul
+             rate (8192^3, JAX and torch), so the roofline uses this machine's numbers
+  jax        compile time of decode_step and forward, 2-layer vs full-depth config (lower + compile);
+             decode tokens/s through a jitted, cache-donating M.decode_step at batch 1 and 32;
+             prefill tokens/s through M.prefill at T=2048, batch 1;
+             decode tokens/s through the library's jitted loop generate._generate (difference of two
+             max_new values, so prefill and the first token are excluded)
+  hf_eager   LlamaForCausalLM, sdpa, bf16, DynamicCache, eager: prefill 2048 and decode at batch 1 / 32
+  hf_compile the same model with a StaticCache and torch.compile(mode="reduce-overhead") decode
+
+Each stage runs in its own process (JAX preallocates GPU memory; torch gets the card to itself after),
+with its own time limit, and writes <out>/stage_<name>.json; the driver merges them into
+<out>/bench_dense.json and prints a table.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_dense.py --out /tmp/bench
+    .venv/bin/python benchmarks/bench_dense.py --tiny --out /tmp/bench_tiny     # CPU smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+LLAMA31_8B = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+TINY = LLAMA31_8B | {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "bos_token_id": 1, "eos_token_id": 2}
+
+
+def settings(tiny: bool) -> dict:
+    if tiny:
+        return dict(hf=TINY, prompt=16, cache_len=64, batches=[1, 4], decode_steps=8, reps=2, prefill_len=64,
+                    gen_new=(4, 12), bw_bytes=1 << 24, mm=256, small_layers=2)
+    return dict(hf=LLAMA31_8B, prompt=512, cache_len=1024, batches=[1, 32], decode_steps=64, reps=5,
+                prefill_len=2048, gen_new=(64, 320), bw_bytes=4 << 30, mm=8192, small_layers=2)
+
+
+# ------------------------------------------------------------------------------------ counting
+def count(hf: dict) -> dict:
+    """Parameter and byte counts of a Llama-shaped config (bf16 weights and cache)."""
+    D, I, L, V = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    H, K, d = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    per_layer_mm = D * H * d * 2 + D * K * d * 2 + 3 * D * I  # q, o, k, v, gate, up, down
+    layer_mm = L * per_layer_mm
+    head = D * V
+    total = layer_mm + head + V * D * (0 if hf["tie_word_embeddings"] else 1) + L * 2 * D + D
+    return dict(layer_matmul_params=layer_mm, lm_head_params=head, total_params=total,
+                kv_bytes_per_token=L * 2 * K * d * 2,  # K and V, all layers, bf16
+                layers=L, heads=H, head_dim=d)
+
+
+def decode_bytes(c: dict, batch: int, ctx: float) -> float:
+    """Fewest bytes one decode step must read: every matmul weight once (the embedding gather reads B
+    rows only) + the valid part of the KV cache of every row."""
+    return 2 * (c["layer_matmul_params"] + c["lm_head_params"]) + batch * ctx * c["kv_bytes_per_token"]
+
+
+def prefill_flops(c: dict, T: int, batch: int = 1) -> float:
+    """Useful FLOPs of a causal prefill: 2*matmul params per token + causal attention (QK^T and PV,
+    half of the T x T square) + the lm_head for the last token."""
+    mm = 2 * c["layer_matmul_params"] * T
+    attn = 2 * 2 * c["layers"] * c["heads"] * c["head_dim"] * T * T / 2
+    return batch * (mm + attn + 2 * c["lm_head_params"])
+
+
+def src_hash() -> str:
+    h = hashlib.sha256()
+    for p in sorted((REPO / "jaxmodels").rglob("*.py")):
+        h.update(str(p.relative_to(REPO)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def median_time(fn, reps: int) -> tuple[float, list[float]]:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
+
+
+# ------------------------------------------------------------------------------------ JAX stage
+def stage_jax(S: dict, out: dict, save):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxmodels import families, model as M
+    from jaxmodels.generate import _generate
+    from jaxmodels.sampling import Sampling
+
+    bf16 = jnp.bfloat16
+    dev = jax.devices()[0]
+    out["jax"] = {"version": jax.__version__, "device": str(dev), "device_kind": dev.device_kind,
+                  "backend": jax.default_backend()}
+    log(f"[jax] {jax.__version__} on {dev.device_kind} ({jax.default_backend()})")
+    key = jax.random.PRNGKey(0)
+
+    # ---- ceilings
+    n = S["bw_bytes"] // 2
+    x = jax.random.normal(key, (n,), bf16)
+    add = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
+    red = jax.jit(lambda a: jnp.max(a))
+    add(x).block_until_ready(); red(x).block_until_ready()
+
+    def loop(f, a, k=10):
+        def run():
+            for _ in range(k):
+                r = f(a)
+            r.block_until_ready()
+        t, _ = median_time(run, 5)
+        return t / k
+
+    t_add, t_red = loop(add, x), loop(red, x)
+    del x
+    N = S["mm"]
+    a = jax.random.normal(key, (N, N), bf16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (N, N), bf16)
+    mm = jax.jit(lambda p, q: p @ q)
+    mm(a, b).block_until_ready()
+
+    def run_mm():
+        for _ in range(10):
+            r = mm(a, b)
+        r.block_until_ready()
+    t_mm, _ = median_time(run_mm, 5)
+    t_mm /= 10
+    del a, b
+    out["jax"]["ceilings"] = {
+        "elementwise_rw_GBps": 2 * S["bw_bytes"] / t_add / 1e9, "reduce_read_GBps": S["bw_bytes"] / t_red / 1e9,
+        "matmul_bf16_TFLOPs": 2 * N**3 / t_mm / 1e12, "bw_array_bytes": S["bw_bytes"], "matmul_n": N}
+    log(f"[jax] ceilings {out['jax']['ceilings']}")
+    save()
+
+    cfg_full = families.config_from_hf(S["hf"])
+    cfg_small = families.config_from_hf(S["hf"] | {"num_hidden_layers": S["small_layers"]})
+
+    # ---- compile time: lower + compile of decode_step (B=1) and forward ([1, prefill_len]), by depth
+    # XLA caches gemm autotuning in-process and both depths share the matmul shapes, so the first
+    # compile pays the autotuning: compile small, full, then small again and report all three.
+    comp = {}
+    for name, cfg in (("small", cfg_small), ("full", cfg_full), ("small_again", cfg_small)):
+        p_shapes = jax.eval_shape(lambda c=cfg: M.init_params(c, 0, dtype=bf16))
+        c_shapes = jax.eval_shape(lambda c=cfg: M.init_cache(c, 1, S["cache_len"], bf16))
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+        r = {"layers": cfg.num_layers}
+        t0 = time.perf_counter()
+        lo = jax.jit(M.decode_step, static_argnums=1, donate_argnums=4).lower(p_shapes, cfg, i32(1), i32(1), c_shapes)
+        t1 = time.perf_counter()
+        lo.compile()
+        t2 = time.perf_counter()
+        r["decode_step_lower_s"], r["decode_step_compile_s"] = t1 - t0, t2 - t1
+        t0 = time.perf_counter()
+        lo = jax.jit(M.forward, static_argnums=1).lower(p_shapes, cfg, i32(1, S["prefill_len"]))
+        t1 = time.perf_counter()
+        lo.compile()
+        t2 = time.perf_counter()
+        r["forward_lower_s"], r["forward_compile_s"] = t1 - t0, t2 - t1
+        comp[name] = r
+        log(f"[jax] compile {name}: {r}")
+    out["jax"]["compile"] = comp
+    save()
+
+    # ---- full model
+    cfg = cfg_full
+    t0 = time.perf_counter()
+    params = M.init_params(cfg, 0, dtype=bf16)
+    jax.block_until_ready(params)
+    nbytes = sum(v.nbytes for v in jax.tree.leaves(params))
+    out["jax"]["init_params_s"] = time.perf_counter() - t0
+    out["jax"]["param_bytes"] = int(nbytes)
+    log(f"[jax] params {nbytes / 1e9:.2f} GB in {out['jax']['init_params_s']:.1f} s")
+    rng = np.random.default_rng(0)
+    V = cfg.vocab_size
+
+    # decode: one jitted step, cache donated; positions prompt .. prompt+steps-1 over a random cache
+    dec = {}
+    step = jax.jit(M.decode_step, static_argnums=1, donate_argnums=4)
+    for B in S["batches"]:
+        cache = M.init_cache(cfg, B, S["cache_len"], bf16)
+        cache = jax.tree.map(lambda c, k=jax.random.PRNGKey(B): jax.random.normal(k, c.shape, c.dtype), cache)
+        tok = jnp.asarray(rng.integers(0, V, B), jnp.int32)
+        nsteps = S["decode_steps"]
+        pos = [jnp.full((B,), S["prompt"] + i, jnp.int32) for i in range(nsteps)]
+        t0 = time.perf_counter()
+        compiled = step.lower(params, cfg, tok, pos[0], cache).compile()
+        tc = time.perf_counter() - t0
+        state = {"cache": cache}
+        del cache
+
+        def run(k=nsteps):
+            c = state["cache"]
+            for i in range(k):
+                logits, c = compiled(params, tok, pos[i], c)
+            logits.block_until_ready()
+            state["cache"] = c
+            return logits
+
+        lg = run(4)
+        finite = bool(jnp.isfinite(lg).all())
+        t, ts = median_time(run, S["reps"])
+        st = t / nsteps
+        ctx = S["prompt"] + (nsteps - 1) / 2
+        dec[B] = {"batch": B, "steps": nsteps, "step_ms": st * 1e3, "tokens_per_s": B / st, "compile_s": tc,
+                  "rep_s": ts, "mean_context": ctx, "cache_slots": S["cache_len"], "logits_finite": finite,
+                  "cache_bytes": int(sum(v.nbytes for v in jax.tree.leaves(state["cache"])))}
+        log(f"[jax] decode_step B={B}: {st * 1e3:.3f} ms/step, {B / st:.1f} tok/s (compile {tc:.1f} s)")
+        del state
+        save_part(out, "decode_step", dec, save)
+
+    # prefill: [1, T] through M.prefill into a cache of T slots
+    T = S["prefill_len"]
+    pf = jax.jit(M.prefill, static_argnums=1, donate_argnums=4)
+    toks = jnp.asarray(rng.integers(0, V, (1, T)), jnp.int32)
+    lens = jnp.asarray([T], jnp.int32)
+    cache = M.init_cache(cfg, 1, T, bf16)
+    t0 = time.perf_counter()
+    compiled = pf.lower(params, cfg, toks, lens, cache).compile()
+    tc = time.perf_counter() - t0
+    state = {"cache": cache}
+    del cache
+
+    def run_pf(k=3):
+        c = state["cache"]
+        for _ in range(k):
+            lg, c = compiled(params, toks, lens, c)
+        lg.block_until_ready()
+        state["cache"] = c
+    run_pf(1)
+    t, ts = median_time(run_pf, S["reps"])
+    t /= 3
+    out["jax"]["prefill"] = {"batch": 1, "T": T, "ms": t * 1e3, "tokens_per_s": T / t, "compile_s": tc, "rep_s": ts}
+    log(f"[jax] prefill T={T}: {t * 1e3:.2f} ms, {T / t:.0f} tok/s (compile {tc:.1f} s)")
+    del state
+    save()
+
+    # the library's generate loop: same prompt length and cache length, greedy, no EOS
+    gen = {}
+    n1, n2 = S["gen_new"]
+    eos = jnp.asarray([-1], jnp.int32)
+    for B in S["batches"]:
+        toks = jnp.asarray(rng.integers(0, V, (B, S["prompt"])), jnp.int32)
+        lens = jnp.full((B,), S["prompt"], jnp.int32)
+        r = {"batch": B, "max_new": [n1, n2], "max_len": S["cache_len"]}
+        times = {}
+        for nn in (n1, n2):
+            def call(nn=nn):
+                o, steps = _generate(params, toks, lens, key, eos, cfg=cfg, max_new=nn, sampling=Sampling(),
+                                     max_len=S["cache_len"])
+                o.block_until_ready()
+                return int(steps)
+            t0 = time.perf_counter()
+            steps = call()
+            first = time.perf_counter() - t0
+            t, ts = median_time(call, 3)
+            times[nn] = t
+            r[f"first_call_s_{nn}"], r[f"median_s_{nn}"], r[f"steps_{nn}"] = first, t, steps
+        per = (times[n2] - times[n1]) / (n2 - n1)
+        r["step_ms"], r["tokens_per_s"] = per * 1e3, B / per
+        r["incl_prefill_tokens_per_s"] = B * n2 / times[n2]
+        gen[B] = r
+        log(f"[jax] generate B={B}: {per * 1e3:.3f} ms/step, {B / per:.1f} tok/s")
+        save_part(out, "generate", gen, save)
+
+
+def save_part(out, name, d, save):
+    out["jax"][name] = {str(k): v for k, v in d.items()}
+    save()
+
+
+# ------------------------------------------------------------------------------------ diagnostics
+def stage_compile(S: dict, out: dict, save, depth: str):
+    """Lower + compile time of decode_step (B=1) and forward ([1, prefill_len]) in a fresh process,
+    so no in-process cache (lowering, executable, gemm autotuning) is warm."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmodels import families, model as M
+
+    bf16 = jnp.bfloat16
+    hf = S["hf"] if depth == "full" else S["hf"] | {"num_hidden_layers": S["small_layers"]}
+    cfg = families.config_from_hf(hf)
+    jax.jit(lambda a: a + 1)(jnp.ones(4)).block_until_ready()  # backend start-up stays out
+    p_shapes = jax.eval_shape(lambda: M.init_params(cfg, 0, dtype=bf16))
+    c_shapes = jax.eval_shape(lambda: M.init_cache(cfg, 1, S["cache_len"], bf16))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    r = {"layers": cfg.num_layers}
+    for name, fn, args, kw in (
+            ("decode_step", M.decode_step, (p_shapes, cfg, i32(1), i32(1), c_shapes), dict(donate_argnums=4)),
+            ("forward", M.forward, (p_shapes, cfg, i32(1, S["prefill_len"])), {})):
+        t0 = time.perf_counter()
+        lo = jax.jit(fn, static_argnums=1, **kw).lower(*args)
+        t1 = time.perf_counter()
+        lo.compile()
+        t2 = time.perf_counter()
+        r[f"{name}_lower_s"], r[f"{name}_compile_s"] = t1 - t0, t2 - t1
+    out["compile_fresh"] = r
+    log(f"[jax] fresh-process compile ({depth}): {r}")
+
+
+def hlo_report(compiled, min_mb: float = 64) -> dict:
+    """Big instructions of an optimized HLO module: copies, (dynamic-)slices, transposes, fusions.
+    (XLA's cost_analysis counts a while/scan body once, so its bytes are not per-step totals.)"""
+    import re
+    txt = compiled.as_text()
+    sizes = {"bf16": 2, "f32": 4, "s32": 4, "pred": 1, "f16": 2, "u32": 4, "s8": 1, "u8": 1}
+    big = []
+    for line in txt.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\S+?)\(", line)
+        if not m:
+            continue
+        name, dt, dims, op = m.groups()
+        n = 1
+        for d_ in filter(None, dims.split(",")):
+            n *= int(d_)
+        mb = n * sizes.get(dt, 4) / 2**20
+        if mb >= min_mb and op not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+            kind = re.search(r"kind=(\w+)", line)
+            calls = re.search(r"calls=%?([\w.\-]+)", line)
+            big.append({"name": name, "op": op, "shape": f"{dt}[{dims}]", "MB": round(mb, 1),
+                        "kind": kind.group(1) if kind else None, "calls": calls.group(1) if calls else None})
+    try:
+        ca = compiled.cost_analysis()
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+        cost = {k: float(v) for k, v in ca.items() if k in ("bytes accessed", "flops")}
+    except Exception as e:  # noqa: BLE001
+        cost = {"error": repr(e)}
+    return {"cost_analysis": cost, "big_instructions": big, "hlo_chars": len(txt)}, txt
+
+
+def stage_diag(S: dict, out: dict, save):
+    """Why decode is slow: optimized-HLO inventory of the library's decode_step, and the same layers
+    (jaxmodels.model._layer, unchanged) run as a Python-unrolled loop over per-layer weight arrays and
+    per-layer caches, which needs no dynamic-slice of stacked weights. Plus the T=2048 attention core
+    alone: the library's attend vs jax.nn.dot_product_attention (cuDNN flash attention)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxmodels import families, model as M
+    from jaxmodels.layers import attention, rope
+
+    bf16 = jnp.bfloat16
+    cfg = families.config_from_hf(S["hf"])
+    spec = M.plan(cfg).kinds[0]
+    params = M.init_params(cfg, 0, dtype=bf16)
+    L = cfg.num_layers
+    layer_params = [jax.tree.map(lambda a, i=i: a[i], params["layers"]["0"]) for i in range(L)]
+    jax.block_until_ready(layer_params)
+    rng = np.random.default_rng(0)
+    step = jax.jit(M.decode_step, static_argnums=1, donate_argnums=4)
+
+    def unrolled(params, layer_params, tokens, positions, caches):
+        x = M._embed(cfg, params, tokens[:, None])
+        pos = positions[:, None]
+        r = spec.attention.rope
+        ctx = {"positions": pos, "mode": "decode", "lengths": None,
+               "rope": {r: rope.cos_sin(r, cfg.head_dim, pos, x.dtype, cfg.max_position_embeddings)}}
+        new = []
+        for p, (kc, vc) in zip(layer_params, caches):
+            x, (kc, vc) = M._layer(cfg, spec, p, x, ctx, (kc, vc, 0))
+            new.append((kc, vc))
+        return M._head(cfg, params, x)[:, 0], new
+
+    unr = jax.jit(unrolled, donate_argnums=4)
+    d = out.setdefault("diag", {})
+    for B in S["batches"]:
+        tok = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
+        nsteps = S["decode_steps"]
+        pos = [jnp.full((B,), S["prompt"] + i, jnp.int32) for i in range(nsteps)]
+        r = {}
+        # library scan version
+        cache = M.init_cache(cfg, B, S["cache_len"], bf16)
+        cache = jax.tree.map(lambda c: jax.random.normal(jax.random.PRNGKey(B), c.shape, c.dtype), cache)
+        comp = step.lower(params, cfg, tok, pos[0], cache).compile()
+        rep, txt = hlo_report(comp)
+        r["scan_hlo"] = rep
+        (Path(out["_out"]) / f"hlo_decode_b{B}.txt").write_text(txt)
+        state = {"c": cache}
+        del cache
+
+        def run_scan(k=nsteps):
+            c = state["c"]
+            for i in range(k):
+                lg, c = comp(params, tok, pos[i], c)
+            lg.block_until_ready()
+            state["c"] = c
+            return lg
+        ref_scan = np.asarray(run_scan(1))  # position prompt+0, same random cache as below
+        run_scan(3)
+        t, _ = median_time(run_scan, S["reps"])
+        r["scan_step_ms"] = t / nsteps * 1e3
+        del state
+        # unrolled version over the same weights and an identical random cache
+        kcs = jax.random.normal(jax.random.PRNGKey(B), (L, B, S["cache_len"], cfg.num_kv_heads, cfg.head_dim), bf16)
+        caches = [(kcs[i:i + 1], kcs[i:i + 1]) for i in range(L)]
+        del kcs
+        t0 = time.perf_counter()
+        comp_u = unr.lower(params, layer_params, tok, pos[0], caches).compile()
+        r["unrolled_compile_s"] = time.perf_counter() - t0
+        rep_u, _ = hlo_report(comp_u)
+        r["unrolled_hlo"] = rep_u
+        state = {"c": caches}
+        del caches
+
+        def run_unr(k=nsteps):
+            c = state["c"]
+            for i in range(k):
+                lg, c = comp_u(params, layer_params, tok, pos[i], c)
+            lg.block_until_ready()
+            state["c"] = c
+            return lg
+        lg_u = np.asarray(run_unr(1))
+        r["unrolled_vs_scan_max_abs_logit_diff_first_step"] = float(np.max(np.abs(lg_u - ref_scan)))
+        run_unr(3)
+        t, _ = median_time(run_unr, S["reps"])
+        r["unrolled_step_ms"] = t / nsteps * 1e3
+        del state
+        d[str(B)] = r
+        log(f"[diag] B={B}: scan {r['scan_step_ms']:.3f} ms (cost bytes {rep['cost_analysis']}), "
+            f"unrolled {r['unrolled_step_ms']:.3f} ms (cost bytes {rep_u['cost_analysis']}); "
+            f"big ops scan: {[(b['op'], b['shape'], b['kind']) for b in rep['big_instructions']][:12]}")
+        save()
+    del layer_params, params
+
+    # attention core at T=2048, one layer: library attend (fp32 scores materialized) vs cuDNN flash
+    T = S["prefill_len"]
+    H, K, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    q = jax.random.normal(ks[0], (1, T, H, dh), bf16)
+    k = jax.random.normal(ks[1], (1, T, K, dh), bf16)
+    v = jax.random.normal(ks[2], (1, T, K, dh), bf16)
+    posn = jnp.arange(T, dtype=jnp.int32)[None]
+    lib = jax.jit(lambda q, k, v: attention.attend(q, k, v, attention.mask(posn, posn, None), scale=dh**-0.5))
+    a = {}
+    o_lib = lib(q, k, v).block_until_ready()
+
+    def tm(f):
+        def run():
+            for _ in range(20):
+                o = f(q, k, v)
+            o.block_until_ready()
+        t, _ = median_time(run, 5)
+        return t / 20 * 1e3
+    a["library_attend_ms_per_layer"] = tm(lib)
+    for impl in ("cudnn", "xla"):
+        try:
+            f = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                                 implementation=impl))
+            o = f(q, k, v).block_until_ready()
+            a[f"{impl}_ms_per_layer"] = tm(f)
+            a[f"{impl}_max_abs_diff_vs_library"] = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_lib.astype(jnp.float32))))
+        except Exception as e:  # noqa: BLE001
+            a[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    d["attention_T2048"] = a
+    log(f"[diag] attention T={T}: {a}")
+    save()
+
+
+def stage_diag_dsf(S: dict, out: dict, save):
+    """The library's scan decode with XLA's dynamic-slice fusion on (flag set by the driver)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxmodels import families, model as M
+
+    bf16 = jnp.bfloat16
+    cfg = families.config_from_hf(S["hf"])
+    params = M.init_params(cfg, 0, dtype=bf16)
+    step = jax.jit(M.decode_step, static_argnums=1, donate_argnums=4)
+    r = out.setdefault("diag_dsf", {"XLA_FLAGS": os.environ.get("XLA_FLAGS")})
+    for B in S["batches"]:
+        tok = jnp.asarray(np.arange(B) % cfg.vocab_size, jnp.int32)
+        pos = [jnp.full((B,), S["prompt"] + i, jnp.int32) for i in range(S["decode_steps"])]
+        cache = M.init_cache(cfg, B, S["cache_len"], bf16)
+        cache = jax.tree.map(lambda c: jax.random.normal(jax.random.PRNGKey(B), c.shape, c.dtype), cache)
+        comp = step.lower(params, cfg, tok, pos[0], cache).compile()
+        rep, _ = hlo_report(comp)
+        state = {"c": cache}
+        del cache
+
+        def run(k=S["decode_steps"]):
+            c = state["c"]
+            for i in range(k):
+                lg, c = comp(params, tok, pos[i], c)
+            lg.block_until_ready()
+            state["c"] = c
+        run(3)
+        t, _ = median_time(run, S["reps"])
+        r[str(B)] = {"step_ms": t / S["decode_steps"] * 1e3, "hlo": rep}
+        log(f"[diag_dsf] B={B}: {r[str(B)]['step_ms']:.3f} ms/step, cost {rep['cost_analysis']}")
+        del state
+        save()
+
+
+# ------------------------------------------------------------------------------------ torch stages
+def torch_ceilings(S: dict, out: dict):
+    import torch
+    dev = "cuda"
+    n = S["bw_bytes"] // 2
+    x = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+
+    def cuda_time(fn, k=10):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(5):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(k):
+                fn()
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) / 1e3 / k)
+        return statistics.median(ts)
+
+    t_copy = cuda_time(lambda: y.copy_(x))
+    t_red = cuda_time(lambda: x.amax())
+    del x, y
+    N = S["mm"]
+    a = torch.randn(N, N, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(N, N, device=dev, dtype=torch.bfloat16)
+    t_mm = cuda_time(lambda: a @ b)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_rw_GBps": 2 * S["bw_bytes"] / t_copy / 1e9, "reduce_read_GBps": S["bw_bytes"] / t_red / 1e9,
+            "matmul_bf16_TFLOPs": 2 * N**3 / t_mm / 1e12}
+
+
+def build_hf(S: dict):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = {k: v for k, v in S["hf"].items() if k not in ("model_type", "architectures", "torch_dtype")}
+    conf = LlamaConfig(**hf)
+    conf._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device(dev):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = LlamaForCausalLM(conf)
+        finally:
+            torch.set_default_dtype(prev)
+    model = model.to(dev, torch.bfloat16).eval()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    return model, dev, time.perf_counter() - t0
+
+
+def sync(dev):
+    import torch
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def stage_hf_eager(S: dict, out: dict, save):
+    import torch
+    import transformers
+
+    r = out.setdefault("hf_eager", {})
+    r["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if torch.cuda.is_available():
+        r["device"] = torch.cuda.get_device_name()
+        r["ceilings"] = torch_ceilings(S, out)
+        log(f"[hf] ceilings {r['ceilings']}")
+        save()
+    model, dev, tb = build_hf(S)
+    r["build_s"] = tb
+    r["attn_implementation"] = model.config._attn_implementation
+    r["param_bytes"] = int(sum(p.numel() * p.element_size() for p in model.parameters()))
+    log(f"[hf] model {r['param_bytes'] / 1e9:.2f} GB built in {tb:.1f} s on {dev}, attn={r['attn_implementation']}")
+    V = S["hf"]["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        T = S["prefill_len"]
+        toks = torch.randint(0, V, (1, T), generator=g).to(dev)
+
+        def pf():
+            o = model(input_ids=toks, use_cache=True, logits_to_keep=1)
+            sync(dev)
+            return o
+        pf()
+        t, ts = median_time(pf, S["reps"])
+        r["prefill"] = {"batch": 1, "T": T, "ms": t * 1e3, "tokens_per_s": T / t, "rep_s": ts}
+        log(f"[hf] eager prefill T={T}: {t * 1e3:.2f} ms, {T / t:.0f} tok/s")
+        save()
+        dec = {}
+        for B in S["batches"]:
+            prompt = torch.randint(0, V, (B, S["prompt"]), generator=g).to(dev)
+            tok = torch.randint(0, V, (B, 1), generator=g).to(dev)
+            o = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+            cache = o.past_key_values
+            r["cache_class"] = type(cache).__name__
+            nsteps = S["decode_steps"]
+
+            def run(k=nsteps):
+                extra = cache.get_seq_length() - S["prompt"]
+                if extra > 0:
+                    cache.crop(-extra)  # negative: drop that many tokens (the spelling 5.x versions share)
+                for _ in range(k):
+                    o = model(input_ids=tok, past_key_values=cache, use_cache=True)
+                sync(dev)
+                return o.logits
+            run(4)
+            t, ts = median_time(run, S["reps"])
+            st = t / nsteps
+            dec[str(B)] = {"batch": B, "steps": nsteps, "step_ms": st * 1e3, "tokens_per_s": B / st, "rep_s": ts,
+                           "mean_context": S["prompt"] + (nsteps - 1) / 2}
+            log(f"[hf] eager decode B={B}: {st * 1e3:.3f} ms/step, {B / st:.1f} tok/s")
+            r["decode"] = dec
+            del cache, o
+            save()
+
+
+def stage_hf_compile(S: dict, out: dict, save):
+    import torch
+    from transformers import StaticCache
+
+    r = out.setdefault("hf_compile", {})
+    model, dev, tb = build_hf(S)
+    r["build_s"] = tb
+    r["mode"] = "StaticCache + torch.compile(model.forward, mode='reduce-overhead', fullgraph=True); prefill eager"
+    fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    V = S["hf"]["vocab_size"]
+    g = torch.Generator().manual_seed(1)
+    dec = {}
+    with torch.inference_mode():
+        for B in S["batches"]:
+            try:
+                cache = StaticCache(config=model.config, max_cache_len=S["cache_len"])
+            except TypeError:
+                cache = StaticCache(config=model.config, max_batch_size=B, max_cache_len=S["cache_len"],
+                                    device=dev, dtype=torch.bfloat16)
+            P = S["prompt"]
+            prompt = torch.randint(0, V, (B, P), generator=g).to(dev)
+            tok = torch.randint(0, V, (B, 1), generator=g).to(dev)
+            model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(P, device=dev), logits_to_keep=1)
+            nsteps = S["decode_steps"]
+            cps = [torch.tensor([P + i], device=dev) for i in range(nsteps)]
+
+            def run(k=nsteps):
+                for i in range(k):
+                    o = fwd(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=cps[i])
+                    lg = o.logits
+                sync(dev)
+                return lg
+            t0 = time.perf_counter()
+            run(3)  # compile + cudagraph warm-up/record
+            tc = time.perf_counter() - t0
+            run(4)
+            t, ts = median_time(run, S["reps"])
+            st = t / nsteps
+            dec[str(B)] = {"batch": B, "steps": nsteps, "step_ms": st * 1e3, "tokens_per_s": B / st, "rep_s": ts,
+                           "compile_and_warmup_s": tc, "mean_context": P + (nsteps - 1) / 2,
+                           "cache_slots": S["cache_len"]}
+            log(f"[hf] compiled decode B={B}: {st * 1e3:.3f} ms/step, {B / st:.1f} tok/s (compile+warmup {tc:.1f} s)")
+            r["decode"] = dec
+            del cache
+            save()
+
+
+STAGES = {"jax": stage_jax, "hf_eager": stage_hf_eager, "hf_compile": stage_hf_compile,
+          "compile_small": lambda S, o, s: stage_compile(S, o, s, "small"),
+          "compile_full": lambda S, o, s: stage_compile(S, o, s, "full"),
+          "diag": stage_diag, "diag_dsf": stage_diag_dsf}
+STAGE_ENV = {"diag_dsf": {"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}}
+
+
+# ------------------------------------------------------------------------------------ driver
+def run_stage(name: str, args, S: dict):
+    out_path = Path(args.out) / f"stage_{name}.json"
+    out: dict = {"_out": str(args.out)}
+
+    def save():
+        out_path.write_text(json.dumps(out, indent=1, default=str))
+
+    try:
+        STAGES[name](S, out, save)
+        out["ok"] = True
+    except Exception as e:  # record the failure precisely, then fail the stage
+        import traceback
+        out["ok"] = False
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+        save()
+        raise
+    save()
+
+
+def summarize(res: dict, S: dict) -> str:
+    c = count(S["hf"])
+    jx = res.get("stage_jax", {}).get("jax", {})
+    he = res.get("stage_hf_eager", {}).get("hf_eager", {})
+    hc = res.get("stage_hf_compile", {}).get("hf_compile", {})
+    ceil = {}
+    ceil.update({f"jax_{k}": v for k, v in jx.get("ceilings", {}).items()})
+    ceil.update({f"torch_{k}": v for k, v in he.get("ceilings", {}).items()})
+    bw = max([v for k, v in ceil.items() if k.endswith("GBps")] or [float("nan")]) * 1e9
+    fl = max([v for k, v in ceil.items() if k.endswith("TFLOPs")] or [float("nan")]) * 1e12
+    roof = {"bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": fl / 1e12, "counts": c, "decode": {}, "prefill": {}}
+    lines = [f"ceilings (best measured): HBM {bw / 1e9:.0f} GB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s",
+             f"{'workload':<26}{'roofline':>12}{'jax step':>12}{'jax gen()':>12}{'hf eager':>12}{'hf compiled':>12}"
+             f"{'jax/roof':>10}{'jax/hf best':>12}"]
+    for B in S["batches"]:
+        ctx = S["prompt"] + (S["decode_steps"] - 1) / 2
+        by = decode_bytes(c, B, ctx)
+        rt = B / (by / bw)
+        get = lambda d, k="tokens_per_s": d.get(str(B), {}).get(k, float("nan"))
+        js, jg = get(jx.get("decode_step", {})), get(jx.get("generate", {}))
+        he_, hc_ = get(he.get("decode", {})), get(hc.get("decode", {}))
+        best_hf = max([v for v in (he_, hc_) if v == v] or [float("nan")])
+        roof["decode"][str(B)] = {"bytes_per_step": by, "roofline_tokens_per_s": rt, "jax_step_frac": js / rt,
+                                  "jax_generate_frac": jg / rt, "jax_over_best_hf": js / best_hf}
+        lines.append(f"{f'decode B={B} tok/s':<26}{rt:>12.1f}{js:>12.1f}{jg:>12.1f}{he_:>12.1f}{hc_:>12.1f}"
+                     f"{js / rt:>10.2f}{js / best_hf:>12.2f}")
+    T = S["prefill_len"]
+    f = prefill_flops(c, T)
+    rt = T / (f / fl)
+    jp = jx.get("prefill", {}).get("tokens_per_s", float("nan"))
+    hp = he.get("prefill", {}).get("tokens_per_s", float("nan"))
+    roof["prefill"] = {"flops": f, "roofline_tokens_per_s": rt, "jax_frac": jp / rt, "jax_over_hf": jp / hp}
+    lines.append(f"{f'prefill T={T} tok/s':<26}{rt:>12.0f}{jp:>12.0f}{'':>12}{hp:>12.0f}{'':>12}"
+                 f"{jp / rt:>10.2f}{jp / hp:>12.2f}")
+    for name, r in jx.get("compile", {}).items():
+        lines.append(f"compile in one process, {name} ({r['layers']} layers; caches warm after the first): decode_step lower {r['decode_step_lower_s']:.2f} s + "
+                     f"compile {r['decode_step_compile_s']:.2f} s; forward lower {r['forward_lower_s']:.2f} s + "
+                     f"compile {r['forward_compile_s']:.2f} s")
+    for depth in ("small", "full"):
+        r = res.get(f"stage_compile_{depth}", {}).get("compile_fresh")
+        if r:
+            lines.append(f"compile, fresh process, {r['layers']} layers: decode_step lower {r['decode_step_lower_s']:.2f} s"
+                         f" + compile {r['decode_step_compile_s']:.2f} s; forward lower {r['forward_lower_s']:.2f} s +"
+                         f" compile {r['forward_compile_s']:.2f} s")
+    dg = res.get("stage_diag", {}).get("diag", {})
+    for B in S["batches"]:
+        r = dg.get(str(B))
+        if r:
+            lines.append(f"diag decode B={B}: library scan {r['scan_step_ms']:.3f} ms/step, same layers unrolled "
+                         f"{r['unrolled_step_ms']:.3f} ms/step (unrolled compile {r['unrolled_compile_s']:.1f} s)")
+    if "attention_T2048" in dg:
+        lines.append(f"diag attention core T={S['prefill_len']}, one layer: {dg['attention_T2048']}")
+    for B, r in res.get("stage_diag_dsf", {}).get("diag_dsf", {}).items():
+        if B != "XLA_FLAGS":
+            lines.append(f"diag decode B={B} with --xla_gpu_enable_dynamic_slice_fusion=true: {r['step_ms']:.3f} ms/step")
+    res["roofline"] = roof
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny config, for a CPU smoke test")
+    ap.add_argument("--out", default="benchmarks/results/tmp")
+    ap.add_argument("--stage", choices=list(STAGES), help="run one stage in this process (used by the driver)")
+    ap.add_argument("--stages", default="compile_small,compile_full,jax,hf_eager,hf_compile",
+                    help="also: diag, diag_dsf (why decode is slow)")
+    ap.add_argument("--timeouts", default="compile_small=60,compile_full=60,jax=300,hf_eager=120,hf_compile=170,"
+                                          "diag=200,diag_dsf=90", help="seconds per stage")
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args()
+    S = settings(args.tiny)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.stage:
+        return run_stage(args.stage, args, S)
+
+    limits = dict(kv.split("=") for kv in args.timeouts.split(","))
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
+    res = {"settings": {k: v for k, v in S.items() if k != "hf"}, "hf_config": S["hf"], "tiny": args.tiny,
+           "commit": args.commit, "jaxmodels_src_sha256_12": src_hash(), "host": platform.node(),
+           "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "stages": {}}
+    for name in args.stages.split(","):
+        t0 = time.perf_counter()
+        cmd = [sys.executable, __file__, "--stage", name, "--out", args.out] + (["--tiny"] if args.tiny else [])
+        log(f"== stage {name} (limit {limits.get(name, 600)} s)")
+        try:
+            rc = subprocess.run(cmd, env=env | STAGE_ENV.get(name, {}), timeout=float(limits.get(name, 600))).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        res["stages"][name] = {"rc": rc, "wall_s": time.perf_counter() - t0}
+        p = Path(args.out) / f"stage_{name}.json"
+        res[f"stage_{name}"] = json.loads(p.read_text()) if p.exists() else {}
+        log(f"== stage {name}: rc={rc} in {res['stages'][name]['wall_s']:.1f} s")
+    table = summarize(res, S)
+    res["table"] = table
+    (Path(args.out) / "bench_dense.json").write_text(json.dumps(res, indent=1, default=str))
+    log("\n" + table)
+
+
+if __name__ == "__main__":
+    main()
