@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from converters.hf import import_params
+from converters.quant import MXFP4Reader
 from converters.safetensors_io import CheckpointError, SafetensorsReader, TorchReader
 from jaxmodels import families
 from jaxmodels.config import ModelConfig
@@ -35,8 +36,9 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool = True
     hf = json.loads((root / "config.json").read_text())
     cfg = families.config_from_hf(hf)
     has_st = any(root.glob("*.safetensors")) or (root / "model.safetensors.index.json").exists()
-    reader = SafetensorsReader(root) if has_st else TorchReader(src)
-    params = import_params(reader, cfg, families.get(hf["model_type"]).names, dtype, progress)
+    reader = MXFP4Reader(SafetensorsReader(root) if has_st else TorchReader(src))
+    fam = families.get(hf["model_type"])
+    params = import_params(reader, cfg, fam.names, dtype, progress, skip=fam.skip)
     return cfg, params, Tokenizer.from_dir(root)
 
 

@@ -17,4 +17,7 @@ TRANSFORMS = {
     "T_out": (lambda t: (t[-1], _prod(t[:-1])), lambda x, t: np.ascontiguousarray(x.T).reshape(t)),
     # a bias [heads*d] -> [heads, d]
     "reshape": (lambda t: (_prod(t),), lambda x, t: x.reshape(t)),
+    # GPT-OSS fused gate_up [..., 2I] with gate in the even and up in the odd columns
+    "even_cols": (lambda t: (*t[:-1], 2 * t[-1]), lambda x, t: np.ascontiguousarray(x[..., 0::2])),
+    "odd_cols": (lambda t: (*t[:-1], 2 * t[-1]), lambda x, t: np.ascontiguousarray(x[..., 1::2])),
 }

@@ -45,12 +45,26 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class MLPSpec:
-    kind: str = "gated"  # gated: down(act(gate x) * up x)
+    kind: str = "gated"  # gated: down(act(gate x) * up x) | moe: routed gated experts
     activation: str = "silu"  # silu | gelu_tanh | gelu | swiglu_clamp
-    intermediate_size: int = 0
+    intermediate_size: int = 0  # per expert for moe
     bias: bool = False
     clamp_alpha: float = 1.702  # swiglu_clamp only
     clamp_limit: float = 7.0  # swiglu_clamp only
+    # moe only
+    num_experts: int = 0
+    top_k: int = 0
+    router: str = "softmax_topk"  # softmax_topk: softmax over all -> top-k (Qwen3-MoE) | topk_softmax: top-k
+    #                               of the logits -> softmax over k (GPT-OSS)
+    renormalize: bool = False  # softmax_topk: divide the k weights by their sum
+    router_bias: bool = False  # a bias added to the router logits
+    shared_intermediate_size: int = 0  # a shared (always-on) gated expert of this width; 0 = none
+
+    def __post_init__(self):
+        if self.kind not in ("gated", "moe"):
+            raise ValueError(f"MLPSpec.kind must be 'gated' or 'moe', got {self.kind!r}")
+        if self.kind == "moe" and not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"moe needs 0 < top_k <= num_experts, got {self.top_k} of {self.num_experts}")
 
 
 NORM_KINDS = ("rms", "rms_fp32", "gemma", "layernorm")

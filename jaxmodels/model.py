@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmodels.config import LayerSpec, ModelConfig
-from jaxmodels.layers import attention, mlp, rope
+from jaxmodels.layers import attention, mlp, moe, rope
 from jaxmodels.layers.norms import norm
 
 
@@ -67,10 +67,7 @@ def layer_param_shapes(cfg: ModelConfig, spec: LayerSpec) -> dict:
         attn |= {"q_norm": (H, d) if a.qk_norm_per_head else (d,), "k_norm": (K, d) if a.qk_norm_per_head else (d,)}
     if a.sinks:
         attn["sinks"] = (H,)
-    I = m.intermediate_size
-    ffn = {"w_gate": (D, I), "w_up": (D, I), "w_down": (I, D)}
-    if m.bias:
-        ffn |= {"b_gate": (I,), "b_up": (I,), "b_down": (D,)}
+    ffn = _mlp_shapes(D, m)
     norms = {
         "pre": ("attn_norm", "mlp_norm"),
         "parallel": ("attn_norm",),
@@ -78,6 +75,23 @@ def layer_param_shapes(cfg: ModelConfig, spec: LayerSpec) -> dict:
         "post": ("post_attn_norm", "post_mlp_norm"),
     }[spec.block]
     return {"attn": attn, "mlp": ffn} | {n: (D,) for n in norms}
+
+
+def _mlp_shapes(D: int, m) -> dict:
+    I = m.intermediate_size
+    if m.kind == "gated":
+        ffn = {"w_gate": (D, I), "w_up": (D, I), "w_down": (I, D)}
+        return ffn | ({"b_gate": (I,), "b_up": (I,), "b_down": (D,)} if m.bias else {})
+    E = m.num_experts
+    ffn = {"router": (D, E), "w_gate": (E, D, I), "w_up": (E, D, I), "w_down": (E, I, D)}
+    if m.router_bias:
+        ffn["router_bias"] = (E,)
+    if m.bias:
+        ffn |= {"b_gate": (E, I), "b_up": (E, I), "b_down": (E, D)}
+    if m.shared_intermediate_size:
+        S = m.shared_intermediate_size
+        ffn["shared"] = {"w_gate": (D, S), "w_up": (D, S), "w_down": (S, D)}
+    return ffn
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -193,7 +207,7 @@ def _ring_sources(lengths, slots):
 
 def _layer(cfg, spec: LayerSpec, p, x, ctx, cache):
     eps, nk = cfg.norm_eps, spec.norm
-    ffn = functools.partial(mlp.gated, spec.mlp, p["mlp"])
+    ffn = functools.partial(moe.sparse if spec.mlp.kind == "moe" else mlp.gated, spec.mlp, p["mlp"])
     h = x if spec.block == "post" else norm(x, p["attn_norm"], eps, nk)
     att, cache = _attention(cfg, spec, p["attn"], h, ctx, cache)
     if spec.block == "parallel":

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from jaxmodels.config import ModelConfig
-from jaxmodels.families import cohere, llama, mistral, qwen3
+from jaxmodels.families import cohere, exaone4, gemma3, gpt_oss, llama, mistral, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,7 @@ class Family:
     name: str
     config: Callable[[dict], ModelConfig]
     names: dict  # HF tensor name regex -> (param path, transform)
+    skip: tuple[str, ...] = ()  # checkpoint entries this family leaves out on purpose (vision, MTP)
 
 
 FAMILIES = {
@@ -21,6 +22,12 @@ FAMILIES = {
     "qwen3": Family("qwen3", qwen3.config, qwen3.NAMES),
     "cohere": Family("cohere", cohere.config, cohere.NAMES),
     "cohere2": Family("cohere2", cohere.config2, cohere.NAMES),
+    "gemma3_text": Family("gemma3", gemma3.config, gemma3.NAMES, gemma3.SKIP),
+    "gemma3": Family("gemma3", gemma3.config_multimodal, gemma3.NAMES, gemma3.SKIP),
+    "exaone4": Family("exaone4", exaone4.config, exaone4.NAMES, exaone4.SKIP),
+    "exaone4_5": Family("exaone4", exaone4.config45, exaone4.NAMES, exaone4.SKIP),
+    "qwen3_moe": Family("qwen3_moe", qwen3_moe.config, qwen3_moe.NAMES),
+    "gpt_oss": Family("gpt_oss", gpt_oss.config, gpt_oss.NAMES),
 }
 
 

@@ -1,4 +1,4 @@
-"""Parity of the dense families with HF transformers (fp32 eager) through the public import path."""
+"""Parity of every family with HF transformers (fp32 eager) through the public import path."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +10,8 @@ from jaxmodels import model as M
 from tests.parity import hf_reference as ref
 
 FAMILIES = ["llama", "qwen3", "mistral", "cohere", "cohere2", "llama_tied", "llama_bias", "qwen3_full",
-            "mistral_full", "cohere_noqk", "cohere2_tail"]
+            "mistral_full", "cohere_noqk", "cohere2_tail", "gemma3", "gemma3_tail", "gpt_oss", "exaone4",
+            "exaone4_full", "qwen3_moe", "qwen3_moe_norenorm"]
 T = 64  # sequence length; every tiny config has a window of 6 < T
 ATOL = 1e-4  # issue #2: max |Δlogit| in fp32, short positions and past 4096
 
@@ -82,18 +83,22 @@ def test_bf16_forward_close_to_hf_fp32(pair, tmp_path):
     Bound: bf16 keeps 8 mantissa bits (relative rounding 2^-9 ≈ 0.2%) and each of the ~10 roundings
     per layer adds to that; the spec measured HF's own bf16 model at 0.4–5% of the logit range against
     a float64 reference. We allow 6% of the range and require the top-1 token to agree where fp32's
-    margin between first and second exceeds that bound.
+    margin between first and second exceeds twice that bound. MoE routers pick experts by a top-k that
+    bf16 noise can flip at near-ties (HF's bf16 model flips too); a flipped expert moves that token's
+    logits by far more than rounding, so for MoE the bound must hold at >= 90% of positions.
     """
     name, hf, ours = pair
     bf = jm.Model(ours.config, jax.tree.map(lambda a: a.astype(jnp.bfloat16), ours.params))
     ids = _ids(seed=4)
     want = ref.logits(hf, ids)
     got = np.asarray(jm.forward(bf, ids))
-    rng = want.max() - want.min()
-    bound = 0.06 * rng
-    assert np.abs(got - want).max() <= bound, f"{name}: bf16 error {np.abs(got - want).max():.3f} > {bound:.3f}"
+    bound = 0.06 * (want.max() - want.min())
+    within = np.abs(got - want).max(-1) <= bound
+    moe = any(spec.mlp.kind == "moe" for spec in ours.config.layers)
+    share = within.mean()
+    assert share >= (0.9 if moe else 1.0), f"{name}: bf16 within {bound:.3f} at only {share:.0%} of positions"
     top2 = np.sort(want, axis=-1)[..., -2:]
-    clear = (top2[..., 1] - top2[..., 0]) > 2 * bound
+    clear = ((top2[..., 1] - top2[..., 0]) > 2 * bound) & within
     assert (got.argmax(-1) == want.argmax(-1))[clear].all()
 
 

@@ -1,0 +1,56 @@
+"""Block-scaled quantized weights -> float arrays (NumPy + ml_dtypes), exactly as the references decode them."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+# FP4 e2m1 code -> value; low nibble = element 2j, high nibble = element 2j+1 (specs/hf_families.md §3.7)
+FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def e8m0_to_float(scales: np.ndarray) -> np.ndarray:
+    """E8M0 exponent bytes -> 2^(s - 127) as float32 (255 is NaN)."""
+    return np.asarray(scales, np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+
+
+def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4: blocks [..., G, 16] uint8 (two codes per byte), scales [..., G] E8M0 -> float32 [..., G*32]."""
+    blocks = np.asarray(blocks, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape} (expected [..., G, 16])")
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = FP4_VALUES[codes] * e8m0_to_float(scales)[..., None]
+    return values.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)
+
+
+class MXFP4Reader:
+    """Wraps a reader: each `X_blocks` + `X_scales` pair appears as one dequantized tensor `X`.
+
+    GPT-OSS experts are stored [E, out, in/32, 16]; HF's parameter is the transpose, [E, in, out]
+    (`convert_moe_packed_tensors`), which is what this yields.
+    """
+
+    def __init__(self, reader):
+        self.reader = reader
+        keys = reader.keys()
+        self._pairs = {k[: -len("_blocks")]: k for k in keys if k.endswith("_blocks")}
+        for base in self._pairs:
+            if base + "_scales" not in keys:
+                raise ValueError(f"{base}_blocks has no {base}_scales beside it")
+        scale_keys = {b + "_scales" for b in self._pairs}
+        self._keys = [k for k in keys if not k.endswith("_blocks") and k not in scale_keys] + list(self._pairs)
+
+    def keys(self):
+        return list(self._keys)
+
+    def shape(self, name):
+        if name in self._pairs:
+            *lead, out, g, _ = self.reader.shape(self._pairs[name])
+            return (*lead, g * 32, out)
+        return self.reader.shape(name)
+
+    def get(self, name):
+        if name in self._pairs:
+            w = mxfp4_decode(self.reader.get(self._pairs[name]), self.reader.get(name + "_scales"))
+            return np.swapaxes(w, -1, -2)
+        return self.reader.get(name)

@@ -1,0 +1,78 @@
+"""Mixture of experts: routers as data, dropless grouped matmuls with `lax.ragged_dot`.
+
+Every (token, expert) assignment is computed: tokens are sorted by expert and each expert's rows go
+through one grouped matmul. No capacity factor, nothing dropped. `dense` computes every expert on
+every token and masks: the reference the sparse path is tested against.
+"""
+import jax
+import jax.numpy as jnp
+
+from jaxmodels.config import MLPSpec
+from jaxmodels.layers import mlp
+
+F32 = jnp.float32
+
+
+def route(spec: MLPSpec, p, x):
+    """x [N, D] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
+    logits = jnp.dot(x, p["router"])
+    if spec.router_bias:
+        logits = logits + p["router_bias"]
+    if spec.router == "softmax_topk":  # softmax over all experts in fp32, then the k largest
+        probs = jax.nn.softmax(logits.astype(F32), axis=-1)
+        w, idx = jax.lax.top_k(probs, spec.top_k)
+        if spec.renormalize:
+            w = w / jnp.sum(w, axis=-1, keepdims=True)
+    elif spec.router == "topk_softmax":  # the k largest logits, softmax over those k in the logits' dtype
+        v, idx = jax.lax.top_k(logits, spec.top_k)
+        w = jax.nn.softmax(v, axis=-1)
+    else:
+        raise ValueError(f"unknown router {spec.router!r}")
+    return w.astype(x.dtype), idx
+
+
+def _expert_out(spec, p, x, e, ragged=None):
+    """Gated expert MLP; `ragged` = group sizes for sorted rows, else x [E, N, D] per expert."""
+    if ragged is not None:
+        mm = lambda a, w: jax.lax.ragged_dot(a, w, ragged)  # noqa: E731
+    else:
+        mm = lambda a, w: jnp.einsum("end,edf->enf", a, w)  # noqa: E731
+    g, u = mm(x, p["w_gate"]), mm(x, p["w_up"])
+    if spec.bias:
+        g, u = g + p["b_gate"][e], u + p["b_up"][e]
+    y = mm(mlp.activate(spec, g, u), p["w_down"])
+    return y + p["b_down"][e] if spec.bias else y
+
+
+def sparse(spec: MLPSpec, p, x):
+    """Dropless routed experts (+ shared expert). x [..., D]."""
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])
+    w, idx = route(spec, p, xt)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // spec.top_k
+    expert = flat[order]
+    sizes = jnp.bincount(flat, length=spec.num_experts).astype(jnp.int32)
+    y = _expert_out(spec, p, xt[token], expert, ragged=sizes)
+    y = y * w.reshape(-1)[order][:, None]
+    out = jnp.zeros_like(xt).at[token].add(y.astype(x.dtype))
+    return _shared(spec, p, xt, out).reshape(shape)
+
+
+def dense(spec: MLPSpec, p, x):
+    """Reference: every expert on every token, weighted by the (mostly zero) routing matrix."""
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])
+    w, idx = route(spec, p, xt)
+    combine = jnp.zeros((xt.shape[0], spec.num_experts), w.dtype).at[jnp.arange(xt.shape[0])[:, None], idx].add(w)
+    e = jnp.arange(spec.num_experts)[:, None]
+    y = _expert_out(spec, p, jnp.broadcast_to(xt, (spec.num_experts, *xt.shape)), e)
+    out = jnp.einsum("ne,end->nd", combine, y).astype(x.dtype)
+    return _shared(spec, p, xt, out).reshape(shape)
+
+
+def _shared(spec, p, xt, out):
+    if not spec.shared_intermediate_size:
+        return out
+    return out + mlp.gated(MLPSpec(activation=spec.activation), p["shared"], xt)
