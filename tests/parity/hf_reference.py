@@ -99,9 +99,15 @@ def build(cfg: dict, seed: int = 0):
     """An fp32, eager-attention HF model with every parameter randomised."""
     cfg = dict(cfg)
     hf_cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
+    return randomize(model, seed)
+
+
+def randomize(model, seed: int = 0):
+    """Every parameter non-trivial (module docstring); returns the model in fp32 eval mode."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").float().eval()
-    gemma = hf_cfg.model_type.startswith("gemma")
+    model = model.float().eval()
+    gemma = model.config.model_type.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "experts.gate_up_proj" in name and not name.endswith("bias"):
