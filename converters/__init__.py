@@ -28,7 +28,8 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool = True
 
         reader = GGUFReader(src)
         cfg = families.config_from_hf(reader.hf_config)
-        params = import_params(reader, cfg, families.get(reader.hf_config["model_type"]).names, dtype, progress)
+        fam = families.get(reader.hf_config["model_type"])
+        params = import_params(reader, cfg, families.name_map(fam, cfg), dtype, progress, skip=fam.skip)
         return cfg, params, reader.tokenizer()
     root = src if src.is_dir() else src.parent
     if not (root / "config.json").exists():
@@ -37,8 +38,8 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool = True
     cfg = families.config_from_hf(hf)
     has_st = any(root.glob("*.safetensors")) or (root / "model.safetensors.index.json").exists()
     reader = MXFP4Reader(SafetensorsReader(root) if has_st else TorchReader(src))
-    fam = families.get(hf["model_type"])
-    params = import_params(reader, cfg, fam.names, dtype, progress, skip=fam.skip)
+    fam = families.get(families.model_type(hf))
+    params = import_params(reader, cfg, families.name_map(fam, cfg), dtype, progress, skip=fam.skip)
     return cfg, params, Tokenizer.from_dir(root)
 
 

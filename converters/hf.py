@@ -92,7 +92,7 @@ def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32",
             if per_expert and index[-1] >= full[len(index) - 1]:
                 raise CheckpointError(f"unexpected tensor {name!r}: expert {index[-1]} of {full[len(index) - 1]}")
             want = full[len(index):]
-            src_shape, fn = TRANSFORMS[transform]
+            src_shape, fn = TRANSFORMS[transform] if isinstance(transform, str) else transform
             got = tuple(reader.shape(name))
             if got != tuple(src_shape(want)):
                 raise CheckpointError(f"tensor {name!r} has shape {got}, expected {tuple(src_shape(want))}")

@@ -32,25 +32,31 @@ class MXFP4Reader:
 
     def __init__(self, reader):
         self.reader = reader
-        keys = reader.keys()
-        self._pairs = {k[: -len("_blocks")]: k for k in keys if k.endswith("_blocks")}
-        for base in self._pairs:
-            if base + "_scales" not in keys:
-                raise ValueError(f"{base}_blocks has no {base}_scales beside it")
-        scale_keys = {b + "_scales" for b in self._pairs}
-        self._keys = [k for k in keys if not k.endswith("_blocks") and k not in scale_keys] + list(self._pairs)
+        keys = set(reader.keys())
+        # HF spells the pair `X_blocks` / `X_scales`, OpenAI's original checkpoint `X.blocks` / `X.scales`
+        self._pairs = {}  # base name -> (blocks name, scales name)
+        for k in sorted(keys):
+            for sep in ("_", "."):
+                if k.endswith(sep + "blocks"):
+                    base = k[: -len(sep + "blocks")]
+                    if base + sep + "scales" not in keys:
+                        raise ValueError(f"{k} has no {base}{sep}scales beside it")
+                    self._pairs[base] = (k, base + sep + "scales")
+        hidden = {n for pair in self._pairs.values() for n in pair}
+        self._keys = [k for k in reader.keys() if k not in hidden] + list(self._pairs)
 
     def keys(self):
         return list(self._keys)
 
     def shape(self, name):
         if name in self._pairs:
-            *lead, out, g, _ = self.reader.shape(self._pairs[name])
+            *lead, out, g, _ = self.reader.shape(self._pairs[name][0])
             return (*lead, g * 32, out)
         return self.reader.shape(name)
 
     def get(self, name):
         if name in self._pairs:
-            w = mxfp4_decode(self.reader.get(self._pairs[name]), self.reader.get(name + "_scales"))
+            blocks, scales = self._pairs[name]
+            w = mxfp4_decode(self.reader.get(blocks), self.reader.get(scales))
             return np.swapaxes(w, -1, -2)
         return self.reader.get(name)

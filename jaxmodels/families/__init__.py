@@ -12,7 +12,8 @@ from jaxmodels.families import cohere, exaone4, gemma3, gpt_oss, llama, mistral,
 class Family:
     name: str
     config: Callable[[dict], ModelConfig]
-    names: dict  # HF tensor name regex -> (param path, transform)
+    names: dict | Callable[[ModelConfig], dict]  # tensor name regex -> (param path, transform), or a
+    #                                             function of the config that returns that map
     skip: tuple[str, ...] = ()  # checkpoint entries this family leaves out on purpose (vision, MTP)
 
 
@@ -28,6 +29,7 @@ FAMILIES = {
     "exaone4_5": Family("exaone4", exaone4.config45, exaone4.NAMES, exaone4.SKIP),
     "qwen3_moe": Family("qwen3_moe", qwen3_moe.config, qwen3_moe.NAMES),
     "gpt_oss": Family("gpt_oss", gpt_oss.config, gpt_oss.NAMES),
+    "gpt_oss_original": Family("gpt_oss", gpt_oss.config_original, gpt_oss.original_names),
 }
 
 
@@ -38,7 +40,18 @@ def get(model_type: str) -> Family:
         raise ValueError(f"unknown architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}") from None
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    if "model_type" not in hf:
+def model_type(cfg_json: dict) -> str:
+    """The registry key of a config.json (HF `model_type`, or a recognised non-HF layout)."""
+    if gpt_oss.is_original(cfg_json):
+        return "gpt_oss_original"
+    if "model_type" not in cfg_json:
         raise ValueError("config.json has no 'model_type'; cannot tell the architecture")
-    return get(hf["model_type"]).config(hf)
+    return cfg_json["model_type"]
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    return get(model_type(hf)).config(hf)
+
+
+def name_map(family: Family, cfg: ModelConfig) -> dict:
+    return family.names(cfg) if callable(family.names) else family.names

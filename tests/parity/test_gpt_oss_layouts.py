@@ -1,0 +1,87 @@
+"""GPT-OSS checkpoints with real MXFP4 expert encodings, in HF's layout and in OpenAI's original one,
+convert to a model equal to HF's (whose experts hold transformers' own decoding of the same bytes)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+import converters
+import jaxmodels as jm
+from tests.parity import hf_reference as ref
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    """A tiny HF GPT-OSS whose expert weights are exactly representable in MXFP4, and those bytes."""
+    hf = ref.build(ref.tiny_config("gpt_oss"), seed=11)
+    rng = np.random.default_rng(0)
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            for name in ("gate_up_proj", "down_proj"):
+                param = getattr(layer.mlp.experts, name)  # [E, in, out]
+                E, n_in, n_out = param.shape
+                blocks = torch.as_tensor(rng.integers(0, 256, (E, n_out, n_in // 32, 16), dtype=np.uint8))
+                scales = torch.as_tensor(rng.integers(124, 130, (E, n_out, n_in // 32), dtype=np.uint8))
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                packed[(i, name)] = (blocks, scales)
+    return hf, packed
+
+
+def _compare(hf, dst):
+    ids = np.random.default_rng(1).integers(0, 256, (2, 48)).astype(np.int32)
+    want = ref.logits(hf, ids)
+    got = np.asarray(jm.forward(jm.load(dst), ids))
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+
+
+def test_hf_mxfp4_layout(quantized, tmp_path):
+    hf, packed = quantized
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for (i, name), (blocks, scales) in packed.items():
+        base = f"model.layers.{i}.mlp.experts.{name}"
+        del sd[base]
+        sd[base + "_blocks"], sd[base + "_scales"] = blocks, scales
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file(sd, src / "model.safetensors")
+    cfg = hf.config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    (src / "config.json").write_text(json.dumps(cfg))
+    _compare(hf, converters.convert(src, tmp_path / "out", dtype="float32", progress=False))
+
+
+def test_openai_original_layout(quantized, tmp_path):
+    """`block.N.*` names, fused qkv rows [q; k; v], `X.blocks`/`X.scales`, and the original config keys."""
+    hf, packed = quantized
+    c = hf.config
+    sd = {"embedding.weight": hf.model.embed_tokens.weight, "unembedding.weight": hf.lm_head.weight,
+          "norm.scale": hf.model.norm.weight}
+    for i, layer in enumerate(hf.model.layers):
+        a, m, b = layer.self_attn, layer.mlp, f"block.{i}."
+        sd |= {
+            b + "attn.norm.scale": layer.input_layernorm.weight,
+            b + "attn.qkv.weight": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            b + "attn.qkv.bias": torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+            b + "attn.sinks": a.sinks, b + "attn.out.weight": a.o_proj.weight, b + "attn.out.bias": a.o_proj.bias,
+            b + "mlp.norm.scale": layer.post_attention_layernorm.weight,
+            b + "mlp.gate.weight": m.router.weight, b + "mlp.gate.bias": m.router.bias,
+            b + "mlp.mlp1_bias": m.experts.gate_up_proj_bias, b + "mlp.mlp2_bias": m.experts.down_proj_bias,
+        }
+        for name, orig in (("gate_up_proj", "mlp1_weight"), ("down_proj", "mlp2_weight")):
+            sd[b + f"mlp.{orig}.blocks"], sd[b + f"mlp.{orig}.scales"] = packed[(i, name)]
+    src = tmp_path / "original"
+    src.mkdir()
+    save_file({k: v.detach().contiguous() for k, v in sd.items()}, src / "model.safetensors")
+    rp = c.rope_parameters
+    (src / "config.json").write_text(json.dumps({
+        "num_hidden_layers": c.num_hidden_layers, "num_experts": c.num_local_experts,
+        "experts_per_token": c.num_experts_per_tok, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "swiglu_limit": c.swiglu_limit, "head_dim": c.head_dim,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "sliding_window": c.sliding_window, "initial_context_length": rp["original_max_position_embeddings"],
+        "rope_theta": rp["rope_theta"], "rope_scaling_factor": rp["factor"], "rope_ntk_alpha": rp["beta_slow"],
+        "rope_ntk_beta": rp["beta_fast"]}))
+    _compare(hf, converters.convert(src, tmp_path / "out", dtype="float32", progress=False))
