@@ -5,7 +5,8 @@ are stacked along a leading axis: `layers/<kind>/attn/wq` has shape [layers of t
 The plan is periodic (LLLG…, 5:1, or period 1 for dense models), so the executor `lax.scan`s over
 whole periods and unrolls only the layers of one period: compile time does not grow with depth.
 
-KV caches hold, per kind, [layers, batch, slots, kv_heads, head_dim]. A layer keeps
+KV caches hold, per kind, [layers, batch, kv_heads, slots, head_dim] (heads before slots: the layout
+the attention contractions read without a transpose). A layer keeps
 min(window, max_len) slots and writes position p into slot p % slots, so sliding-window layers
 keep a ring whose memory is independent of the context length, and full layers a plain cache.
 """
@@ -167,23 +168,24 @@ def _attention(cfg, spec: LayerSpec, p, h, ctx, cache):
         q, k = rope.apply(q, cos, sin, a.rope.interleaved), rope.apply(k, cos, sin, a.rope.interleaved)
     scale = a.scale if a.scale is not None else cfg.head_dim**-0.5
     pos = ctx["positions"]
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, d]
     if cache is None:  # attend within the sequence
         allowed = attention.mask(pos, pos, a.window)
         keys, vals, new_cache = k, v, None
     else:
         kc, vc, idx = cache
-        slots = kc.shape[2]
+        slots = kc.shape[3]
         if ctx["mode"] == "prefill":  # keep each row's last `slots` valid positions
             src, valid = _ring_sources(ctx["lengths"], slots)
-            take = lambda x: jnp.where(valid[:, :, None, None], jnp.take_along_axis(x, src[:, :, None, None], 1), 0)
+            take = lambda x: jnp.where(valid[:, None, :, None], jnp.take_along_axis(x, src[:, None, :, None], 2), 0)
             kc = jax.lax.dynamic_update_index_in_dim(kc, take(k).astype(kc.dtype), idx, 0)
             vc = jax.lax.dynamic_update_index_in_dim(vc, take(v).astype(vc.dtype), idx, 0)
             allowed = attention.mask(pos, pos, a.window)
             keys, vals = k, v
         else:  # decode one token per row: write it, then read the ring
             rows, slot = jnp.arange(pos.shape[0]), pos[:, 0] % slots
-            kc = kc.at[idx, rows, slot].set(k[:, 0].astype(kc.dtype))
-            vc = vc.at[idx, rows, slot].set(v[:, 0].astype(vc.dtype))
+            kc = kc.at[idx, rows, :, slot].set(k[:, :, 0].astype(kc.dtype))
+            vc = vc.at[idx, rows, :, slot].set(v[:, :, 0].astype(vc.dtype))
             keys, vals = kc[idx], vc[idx]
             q_last = pos[:, -1:]
             k_pos = q_last - (q_last - jnp.arange(slots)[None]) % slots  # position held by each slot
@@ -308,7 +310,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> tuple:
     pl = plan(cfg)
     out = []
     for spec, n in zip(pl.kinds, pl.counts):
-        shape = (n, batch, cache_slots(cfg, spec, max_len), cfg.num_kv_heads, cfg.head_dim)
+        shape = (n, batch, cfg.num_kv_heads, cache_slots(cfg, spec, max_len), cfg.head_dim)
         out.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
     return tuple(out)
 

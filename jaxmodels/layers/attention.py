@@ -20,15 +20,16 @@ def mask(q_pos, k_pos, window: int | None, k_valid=None):
 
 
 def attend(q, k, v, allowed, *, scale: float, softcap: float | None = None, sinks=None):
-    """q [B, Tq, H, d], k/v [B, Tk, K, d], allowed [B, Tq, Tk] -> [B, Tq, H, d].
+    """q [B, Tq, H, d], k/v [B, K, Tk, d] (heads before positions, the KV-cache layout),
+    allowed [B, Tq, Tk] -> [B, Tq, H, d].
 
     Query head h reads kv head h // (H/K). Scores and softmax in fp32 (HF eager). `sinks` [H]: a
     per-head logit in the softmax denominator that carries no value (GPT-OSS).
     """
     b, tq, h, d = q.shape
-    kv = k.shape[2]
+    kv = k.shape[1]
     qg = q.reshape(b, tq, kv, h // kv, d)
-    s = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k, preferred_element_type=F32) * scale
+    s = jnp.einsum("bqgrd,bgkd->bgrqk", qg, k, preferred_element_type=F32) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(allowed[:, None, None], s, jnp.finfo(F32).min)
@@ -37,5 +38,5 @@ def attend(q, k, v, allowed, *, scale: float, softcap: float | None = None, sink
     else:
         sk = jnp.broadcast_to(sinks.astype(F32).reshape(kv, h // kv)[None, :, :, None, None], s.shape[:-1] + (1,))
         p = jax.nn.softmax(jnp.concatenate([s, sk], axis=-1), axis=-1)[..., :-1]
-    o = jnp.einsum("bgrqk,bkgd->bqgrd", p.astype(v.dtype), v, preferred_element_type=F32)
+    o = jnp.einsum("bgrqk,bgkd->bqgrd", p.astype(v.dtype), v, preferred_element_type=F32)
     return o.reshape(b, tq, h, d).astype(q.dtype)
