@@ -30,8 +30,8 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len"))
-def _generate(params, tokens, lengths, key, eos, *, cfg, max_new, sampling, max_len):
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll"))
+def _generate(params, tokens, lengths, key, eos, *, cfg, max_new, sampling, max_len, unroll=1):
     B = tokens.shape[0]
     cache = M.init_cache(cfg, B, max_len, params["embed"].dtype)  # allocated once, updated in place
     logits, cache = M.prefill(params, cfg, tokens, lengths, cache)
@@ -46,7 +46,7 @@ def _generate(params, tokens, lengths, key, eos, *, cfg, max_new, sampling, max_
 
     def body(state):
         step, tok, out, done, cache, key = state
-        logits, cache = M.decode_step(params, cfg, tok, lengths + step - 1, cache)
+        logits, cache = M.decode_step(params, cfg, tok, lengths + step - 1, cache, unroll)
         key, sub = jax.random.split(key)
         nxt = sample(logits, sub, sampling)
         nxt = jnp.where(done, 0, nxt)

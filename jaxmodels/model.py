@@ -256,7 +256,8 @@ def _run_layers(cfg, layer_params, x, ctx, caches):
                 x, caches = one(j, pk, x, caches, s * pl.per_period[k] + r)
             return (x, None if caches is None else tuple(caches)), None
 
-        (x, caches), _ = jax.lax.scan(body, (x, None if caches is None else tuple(caches)), (jnp.arange(n), xs))
+        carry = (x, None if caches is None else tuple(caches))
+        (x, caches), _ = jax.lax.scan(body, carry, (jnp.arange(n), xs), unroll=ctx["unroll"])
         caches = None if caches is None else list(caches)
     for i in range(n * P, cfg.num_layers):  # partial last period
         k, r = pl.kind_of[i], pl.rank_of[i]
@@ -282,9 +283,9 @@ def _head(cfg, params, x):
     return logits
 
 
-def _hidden(cfg, params, tokens, positions, mode, caches=None, lengths=None):
+def _hidden(cfg, params, tokens, positions, mode, caches=None, lengths=None, unroll=1):
     x = _embed(cfg, params, tokens)
-    ctx = {"positions": positions, "mode": mode, "lengths": lengths, "rope": {}}
+    ctx = {"positions": positions, "mode": mode, "lengths": lengths, "rope": {}, "unroll": unroll}
     for spec in plan(cfg).kinds:
         r = spec.attention.rope
         if r is not None and r not in ctx["rope"]:
@@ -327,7 +328,11 @@ def prefill(params, cfg: ModelConfig, tokens, lengths, cache):
     return _head(cfg, params, last)[:, 0], cache
 
 
-def decode_step(params, cfg: ModelConfig, tokens, positions, cache):
-    """One new token per row: tokens [B], positions [B] -> (logits [B, vocab], cache)."""
-    x, cache = _hidden(cfg, params, tokens[:, None], positions[:, None], "decode", cache)
+def decode_step(params, cfg: ModelConfig, tokens, positions, cache, unroll: int | bool = 1):
+    """One new token per row: tokens [B], positions [B] -> (logits [B, vocab], cache).
+
+    unroll: `lax.scan`'s unroll of the layer loop (True = fully unrolled: compile time grows with
+    depth, but every layer then reads its weights through static slices).
+    """
+    x, cache = _hidden(cfg, params, tokens[:, None], positions[:, None], "decode", cache, unroll=unroll)
     return _head(cfg, params, x)[:, 0], cache
