@@ -88,7 +88,8 @@ def _generate(args) -> int:
 
     model = jm.load(args.model, dtype=args.dtype)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              min_p=args.min_p, seed=args.seed, stop=args.stop or None, chat=args.chat)
+              min_p=args.min_p, seed=args.seed, stop=args.stop or None, chat=args.chat,
+              unroll=True if args.unroll else 1)
     out = jm.generate(model, list(args.prompt), **kw)
     # The first call includes compilation; a second, compiled run gives the tokens/s.
     warm = jm.generate(model, list(args.prompt), **kw) if args.timing else None
@@ -131,6 +132,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the checkpoint's chat template (default: on)")
     g.add_argument("--dtype", choices=DTYPES, help="cast parameters after loading")
+    g.add_argument("--unroll", action="store_true",
+                   help="unroll the decode loop over layers: ~2x faster decode on GPU, longer compile")
     g.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                    help="run twice and report compiled tokens/s (default: on)")
     g.set_defaults(fn=_generate)

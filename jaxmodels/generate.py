@@ -61,12 +61,15 @@ def _generate(params, tokens, lengths, key, eos, *, cfg, max_new, sampling, max_
 
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, seed: int = 0, stop=None,
-             chat: bool = False, ignore_eos: bool = False, max_len: int | None = None) -> GenerateOutput:
+             chat: bool = False, ignore_eos: bool = False, max_len: int | None = None,
+             unroll: int | bool = 1) -> GenerateOutput:
     """Generate continuations for a batch of prompts (strings, or lists of token ids).
 
     chat: wrap each string prompt as one user message with the checkpoint's chat template.
     stop: strings (or token-id lists) that end a continuation; EOS tokens stop unless `ignore_eos`.
     max_len: cache length (default: prompt + max_new_tokens, rounded up to a power of two).
+    unroll: unroll of the decode loop over layers. True reads each layer's weights in place and
+        decodes ~2x faster on GPU (BENCHMARKS.md), at a compile time that grows with depth.
     """
     cfg, tok = model.config, model.tokenizer
     if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
@@ -103,7 +106,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     t0 = time.perf_counter()
     out, steps = _generate(model.params, jnp.asarray(tokens), lengths, jax.random.PRNGKey(seed),
                            jnp.asarray(sorted(eos) or [-1], jnp.int32), cfg=cfg, max_new=max_new_tokens,
-                           sampling=sampling, max_len=max_len)
+                           sampling=sampling, max_len=max_len, unroll=unroll)
     out = np.asarray(out)[:, : int(steps)]
     seconds = time.perf_counter() - t0
     results = [_cut(list(map(int, row)), eos, stop, tok) for row in out]
