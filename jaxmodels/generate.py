@@ -1,6 +1,7 @@
 """Batched generation: one jitted program runs the prefill and the whole decode loop on device."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels import model as M
+from jaxmodels import model as M, sharding
 from jaxmodels.sampling import Sampling, sample
 
 
@@ -30,8 +31,13 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll"))
-def _generate(params, tokens, lengths, key, eos, *, cfg, max_new, sampling, max_len, unroll=1):
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard"))
+def _generate(params, tokens, lengths, key, eos, *, cfg, max_new, sampling, max_len, unroll=1, shard=None):
+    with sharding.use(*shard) if shard else contextlib.nullcontext():
+        return _loop(params, tokens, lengths, key, eos, cfg, max_new, sampling, max_len, unroll)
+
+
+def _loop(params, tokens, lengths, key, eos, cfg, max_new, sampling, max_len, unroll):
     B = tokens.shape[0]
     cache = M.init_cache(cfg, B, max_len, params["embed"].dtype)  # allocated once, updated in place
     logits, cache = M.prefill(params, cfg, tokens, lengths, cache)
@@ -106,7 +112,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     t0 = time.perf_counter()
     out, steps = _generate(model.params, jnp.asarray(tokens), lengths, jax.random.PRNGKey(seed),
                            jnp.asarray(sorted(eos) or [-1], jnp.int32), cfg=cfg, max_new=max_new_tokens,
-                           sampling=sampling, max_len=max_len, unroll=unroll)
+                           sampling=sampling, max_len=max_len, unroll=unroll, shard=model.sharding)
     out = np.asarray(out)[:, : int(steps)]
     seconds = time.perf_counter() - t0
     results = [_cut(list(map(int, row)), eos, stop, tok) for row in out]

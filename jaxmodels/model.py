@@ -22,6 +22,9 @@ import numpy as np
 from jaxmodels.config import LayerSpec, ModelConfig
 from jaxmodels.layers import attention, mlp, moe, rope
 from jaxmodels.layers.norms import norm
+from jaxmodels.sharding import constrain
+
+CACHE_AXES = ("layers", "batch", "kv_heads", None, "head_dim")
 
 
 # ----------------------------------------------------------------------------------------- plan
@@ -280,11 +283,11 @@ def _head(cfg, params, x):
         logits = logits * cfg.logit_scale
     if cfg.final_softcap is not None:
         logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    return logits
+    return constrain(logits, ("batch", None, "vocab"))
 
 
 def _hidden(cfg, params, tokens, positions, mode, caches=None, lengths=None, unroll=1):
-    x = _embed(cfg, params, tokens)
+    x = constrain(_embed(cfg, params, tokens), ("batch", None, None))
     ctx = {"positions": positions, "mode": mode, "lengths": lengths, "rope": {}, "unroll": unroll}
     for spec in plan(cfg).kinds:
         r = spec.attention.rope
@@ -312,7 +315,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> tuple:
     out = []
     for spec, n in zip(pl.kinds, pl.counts):
         shape = (n, batch, cfg.num_kv_heads, cache_slots(cfg, spec, max_len), cfg.head_dim)
-        out.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
+        zeros = lambda: constrain(jnp.zeros(shape, dtype), CACHE_AXES)  # noqa: E731
+        out.append({"k": zeros(), "v": zeros()})
     return tuple(out)
 
 
