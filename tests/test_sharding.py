@@ -1,0 +1,107 @@
+"""Sharded execution on 8 virtual CPU devices equals the unsharded model (tests/conftest.py sets them up)."""
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxmodels as jm
+from converters import orbax_io
+from jaxmodels import families, model as M, sharding
+from tests.parity import hf_reference as ref
+
+FAMILIES = ["llama", "qwen3", "mistral", "cohere", "cohere2", "gemma3", "gpt_oss", "exaone4", "qwen3_moe"]
+MESHES = [("tensor=8", "tp"), ("data=2,tensor=4", "tp"), ("data=8", "tp"), ("fsdp=2,tensor=4", "fsdp_tp"),
+          ("data=2,expert=4", "ep")]
+GOLDEN = Path(__file__).parent / "golden" / "partition_specs.json"
+
+
+def _model(name):
+    """Random weights at the parity tests' scale (N(0, 0.05²) matrices): logits of order 1, so the
+    1e-5 bound measures fp32 reassociation across shards, not the size of the logits."""
+    cfg = families.config_from_hf(ref.tiny_config(name))
+    return jm.Model(cfg, M.init_params(cfg, seed=2, std=0.05))
+
+
+def _ids(batch=4, t=20):
+    return np.random.default_rng(0).integers(0, 256, (batch, t)).astype(np.int32)
+
+
+def test_eight_devices():
+    assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sharded_logits_equal_unsharded(name):
+    base = _model(name)
+    want = np.asarray(jm.forward(base, _ids()))
+    for spec, rules in MESHES:
+        mesh = sharding.make_mesh(spec)
+        m = jm.Model(base.config, sharding.shard_params(base.params, base.config, mesh, rules), None, mesh, rules)
+        got = np.asarray(jm.forward(m, _ids()))
+        assert np.abs(got - want).max() <= 1e-5, (spec, rules, np.abs(got - want).max())
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3_moe"])
+def test_sharded_generation_equals_unsharded(name):
+    base = _model(name)
+    prompts = [list(r[: 5 + 3 * i]) for i, r in enumerate(_ids())]
+    want = jm.generate(base, prompts, max_new_tokens=12, ignore_eos=True).tokens
+    for spec, rules in (MESHES[1], MESHES[4]):
+        mesh = sharding.make_mesh(spec)
+        m = jm.Model(base.config, sharding.shard_params(base.params, base.config, mesh, rules), None, mesh, rules)
+        assert jm.generate(m, prompts, max_new_tokens=12, ignore_eos=True).tokens == want, spec
+
+
+def test_load_restores_straight_into_the_sharding(tmp_path):
+    base = _model("qwen3")
+    orbax_io.save(tmp_path / "m", base.config, jax.tree.map(np.asarray, base.params))
+    mesh = sharding.make_mesh("data=2,tensor=4")
+    m = jm.load(tmp_path / "m", mesh=mesh)
+    wq = m.params["layers"]["0"]["attn"]["wq"]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
+    assert {s.data.shape for s in wq.addressable_shards} == {(wq.shape[0], wq.shape[1], 1, wq.shape[3])}
+    np.testing.assert_allclose(np.asarray(jm.forward(m, _ids())), np.asarray(jm.forward(base, _ids())), atol=1e-5)
+
+
+def test_indivisible_dims_stay_replicated():
+    """2 kv heads over tensor=4: the kv-head axis stays whole; 4 query heads do split."""
+    cfg = families.config_from_hf(ref.tiny_config("llama"))
+    specs = sharding.param_specs(cfg, sharding.make_mesh("data=2,tensor=4"), "tp")["layers"]["0"]["attn"]
+    assert specs["wk"] == jax.sharding.PartitionSpec(None, None, None, None)
+    assert specs["wq"] == jax.sharding.PartitionSpec(None, None, "tensor", None)
+
+
+def test_bad_mesh_specs_are_refused():
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        sharding.make_mesh("pipeline=8")
+    with pytest.raises(ValueError, match="needs 6 devices"):
+        sharding.make_mesh("data=2,tensor=3")
+    with pytest.raises(ValueError, match="unknown sharding preset"):
+        sharding.param_specs(families.config_from_hf(ref.tiny_config("llama")), sharding.make_mesh("data=8"), "x")
+
+
+def golden_specs() -> dict:
+    """{preset: {family: {param path: spec}}} on a (data=2, fsdp=1, tensor=2, expert=2) mesh."""
+    mesh = sharding.make_mesh("data=2,fsdp=1,tensor=2,expert=2")
+    out = {}
+    for preset in sharding.RULES:
+        out[preset] = {}
+        for name in FAMILIES:
+            cfg = families.config_from_hf(ref.tiny_config(name))
+            flat = jax.tree_util.tree_flatten_with_path(sharding.param_specs(cfg, mesh, preset),
+                                                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+            out[preset][name] = {"/".join(k.key for k in path): str(spec) for path, spec in flat[0]}
+    return out
+
+
+def test_partition_specs_match_the_golden_dump():
+    """A refactor that changes any parameter's placement must update tests/golden/partition_specs.json
+    on purpose: `python -m tests.test_sharding` rewrites it."""
+    assert golden_specs() == json.loads(GOLDEN.read_text())
+
+
+if __name__ == "__main__":
+    GOLDEN.write_text(json.dumps(golden_specs(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}")
