@@ -134,3 +134,13 @@ def test_plan_scans_whole_periods_and_unrolls_the_tail():
 def test_config_round_trips_through_json():
     cfg = families.config_from_hf({**HF, "model_type": "cohere", "use_qk_norm": True})
     assert ModelConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_bf16_batched_generation_runs_and_is_greedy(tiny):
+    """bf16 params (the converter's default dtype) decode a batch on the CPU backend too."""
+    m = jm.Model(tiny.config, jax.tree.map(lambda a: a.astype(jnp.bfloat16), tiny.params))
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    out = jm.generate(m, prompts, max_new_tokens=6, ignore_eos=True).tokens
+    for p, row in zip(prompts, out):
+        logits = np.asarray(jm.forward(m, [p + row]))[0]
+        assert len(row) == 6 and list(logits[len(p) - 1:-1].argmax(-1))[:1] == row[:1]

@@ -38,5 +38,6 @@ def attend(q, k, v, allowed, *, scale: float, softcap: float | None = None, sink
     else:
         sk = jnp.broadcast_to(sinks.astype(F32).reshape(kv, h // kv)[None, :, :, None, None], s.shape[:-1] + (1,))
         p = jax.nn.softmax(jnp.concatenate([s, sk], axis=-1), axis=-1)[..., :-1]
-    o = jnp.einsum("bgrqk,bgkd->bqgrd", p.astype(v.dtype), v, preferred_element_type=F32)
+    # P·V in the value dtype, as HF's matmul (XLA accumulates in fp32); XLA:CPU also lacks bf16 x bf16 -> f32 here
+    o = jnp.einsum("bgrqk,bgkd->bqgrd", p.astype(v.dtype), v)
     return o.reshape(b, tq, h, d).astype(q.dtype)

@@ -45,10 +45,16 @@ def _expert_out(spec, p, x, e, ragged=None):
 
 
 def sparse(spec: MLPSpec, p, x):
-    """Dropless routed experts (+ shared expert). x [..., D]."""
+    """Dropless routed experts (+ shared expert). x [..., D].
+
+    Few assignments (decode: tokens * top_k <= experts) gather just the chosen experts' weights;
+    otherwise tokens are sorted by expert into one grouped `ragged_dot` per matrix.
+    """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     w, idx = route(spec, p, xt)
+    if xt.shape[0] * spec.top_k <= spec.num_experts:
+        return _shared(spec, p, xt, _gathered(spec, p, xt, w, idx)).reshape(shape)
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // spec.top_k
@@ -58,6 +64,21 @@ def sparse(spec: MLPSpec, p, x):
     y = y * w.reshape(-1)[order][:, None]
     out = jnp.zeros_like(xt).at[token].add(y.astype(x.dtype))
     return _shared(spec, p, xt, out).reshape(shape)
+
+
+def _gathered(spec, p, xt, w, idx):
+    """Each (token, slot) reads only its expert's matrices: weight bytes ~ tokens * top_k experts."""
+    e = idx.reshape(-1)
+    rows = jnp.repeat(xt, spec.top_k, axis=0)
+    mm = lambda a, name: jnp.einsum("nd,ndf->nf", a, p[name][e])  # noqa: E731
+    g, u = mm(rows, "w_gate"), mm(rows, "w_up")
+    if spec.bias:
+        g, u = g + p["b_gate"][e], u + p["b_up"][e]
+    y = mm(mlp.activate(spec, g, u), "w_down")
+    if spec.bias:
+        y = y + p["b_down"][e]
+    y = y.reshape(xt.shape[0], spec.top_k, -1) * w[..., None]
+    return jnp.sum(y, axis=1).astype(xt.dtype)
 
 
 def dense(spec: MLPSpec, p, x):
