@@ -22,17 +22,13 @@ with its own time limit, and writes <out>/stage_<name>.json; the driver merges t
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (drive, hlo_report, jax_ceilings, jax_decode, jax_generate, jax_prefill, log,  # noqa: E402
+                     median_time, run_stage, sync, torch_ceilings)
 
 LLAMA31_8B = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -52,7 +48,8 @@ TINY = LLAMA31_8B | {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 
 def settings(tiny: bool) -> dict:
     if tiny:
         return dict(hf=TINY, prompt=16, cache_len=64, batches=[1, 4], decode_steps=8, reps=2, prefill_len=64,
-                    gen_new=(4, 12), bw_bytes=1 << 24, mm=256, small_layers=2)
+                    gen_new=(4, 12), bw_bytes=1 << 24, mm=256, small_layers=2,
+                    jax_dtype="float32")  # XLA:CPU cannot run the bf16 x bf16 -> f32 batched attention dots at B >= 2
     return dict(hf=LLAMA31_8B, prompt=512, cache_len=1024, batches=[1, 32], decode_steps=64, reps=5,
                 prefill_len=2048, gen_new=(64, 320), bw_bytes=4 << 30, mm=8192, small_layers=2)
 
@@ -85,26 +82,6 @@ def prefill_flops(c: dict, T: int, batch: int = 1) -> float:
     return batch * (mm + attn + 2 * c["lm_head_params"])
 
 
-def src_hash() -> str:
-    h = hashlib.sha256()
-    for p in sorted((REPO / "jaxmodels").rglob("*.py")):
-        h.update(str(p.relative_to(REPO)).encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:12]
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def median_time(fn, reps: int) -> tuple[float, list[float]]:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), ts
-
 
 # ------------------------------------------------------------------------------------ JAX stage
 def stage_jax(S: dict, out: dict, save):
@@ -113,50 +90,15 @@ def stage_jax(S: dict, out: dict, save):
     import numpy as np
 
     from jaxmodels import families, model as M
-    from jaxmodels.generate import _generate
-    from jaxmodels.sampling import Sampling
 
-    bf16 = jnp.bfloat16
+    bf16 = jnp.dtype(S.get("jax_dtype", "bfloat16"))  # tiny CPU smoke tests use float32
     dev = jax.devices()[0]
     out["jax"] = {"version": jax.__version__, "device": str(dev), "device_kind": dev.device_kind,
                   "backend": jax.default_backend()}
     log(f"[jax] {jax.__version__} on {dev.device_kind} ({jax.default_backend()})")
     key = jax.random.PRNGKey(0)
 
-    # ---- ceilings
-    n = S["bw_bytes"] // 2
-    x = jax.random.normal(key, (n,), bf16)
-    add = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
-    red = jax.jit(lambda a: jnp.max(a))
-    add(x).block_until_ready(); red(x).block_until_ready()
-
-    def loop(f, a, k=10):
-        def run():
-            for _ in range(k):
-                r = f(a)
-            r.block_until_ready()
-        t, _ = median_time(run, 5)
-        return t / k
-
-    t_add, t_red = loop(add, x), loop(red, x)
-    del x
-    N = S["mm"]
-    a = jax.random.normal(key, (N, N), bf16)
-    b = jax.random.normal(jax.random.PRNGKey(1), (N, N), bf16)
-    mm = jax.jit(lambda p, q: p @ q)
-    mm(a, b).block_until_ready()
-
-    def run_mm():
-        for _ in range(10):
-            r = mm(a, b)
-        r.block_until_ready()
-    t_mm, _ = median_time(run_mm, 5)
-    t_mm /= 10
-    del a, b
-    out["jax"]["ceilings"] = {
-        "elementwise_rw_GBps": 2 * S["bw_bytes"] / t_add / 1e9, "reduce_read_GBps": S["bw_bytes"] / t_red / 1e9,
-        "matmul_bf16_TFLOPs": 2 * N**3 / t_mm / 1e12, "bw_array_bytes": S["bw_bytes"], "matmul_n": N}
-    log(f"[jax] ceilings {out['jax']['ceilings']}")
+    out["jax"]["ceilings"] = jax_ceilings(S)
     save()
 
     cfg_full = families.config_from_hf(S["hf"])
@@ -200,99 +142,9 @@ def stage_jax(S: dict, out: dict, save):
     rng = np.random.default_rng(0)
     V = cfg.vocab_size
 
-    # decode: one jitted step, cache donated; positions prompt .. prompt+steps-1 over a random cache
-    dec = {}
-    step = jax.jit(M.decode_step, static_argnums=1, donate_argnums=4)
-    for B in S["batches"]:
-        cache = M.init_cache(cfg, B, S["cache_len"], bf16)
-        cache = jax.tree.map(lambda c, k=jax.random.PRNGKey(B): jax.random.normal(k, c.shape, c.dtype), cache)
-        tok = jnp.asarray(rng.integers(0, V, B), jnp.int32)
-        nsteps = S["decode_steps"]
-        pos = [jnp.full((B,), S["prompt"] + i, jnp.int32) for i in range(nsteps)]
-        t0 = time.perf_counter()
-        compiled = step.lower(params, cfg, tok, pos[0], cache).compile()
-        tc = time.perf_counter() - t0
-        state = {"cache": cache}
-        del cache
-
-        def run(k=nsteps):
-            c = state["cache"]
-            for i in range(k):
-                logits, c = compiled(params, tok, pos[i], c)
-            logits.block_until_ready()
-            state["cache"] = c
-            return logits
-
-        lg = run(4)
-        finite = bool(jnp.isfinite(lg).all())
-        t, ts = median_time(run, S["reps"])
-        st = t / nsteps
-        ctx = S["prompt"] + (nsteps - 1) / 2
-        dec[B] = {"batch": B, "steps": nsteps, "step_ms": st * 1e3, "tokens_per_s": B / st, "compile_s": tc,
-                  "rep_s": ts, "mean_context": ctx, "cache_slots": S["cache_len"], "logits_finite": finite,
-                  "cache_bytes": int(sum(v.nbytes for v in jax.tree.leaves(state["cache"])))}
-        log(f"[jax] decode_step B={B}: {st * 1e3:.3f} ms/step, {B / st:.1f} tok/s (compile {tc:.1f} s)")
-        del state
-        save_part(out, "decode_step", dec, save)
-
-    # prefill: [1, T] through M.prefill into a cache of T slots
-    T = S["prefill_len"]
-    pf = jax.jit(M.prefill, static_argnums=1, donate_argnums=4)
-    toks = jnp.asarray(rng.integers(0, V, (1, T)), jnp.int32)
-    lens = jnp.asarray([T], jnp.int32)
-    cache = M.init_cache(cfg, 1, T, bf16)
-    t0 = time.perf_counter()
-    compiled = pf.lower(params, cfg, toks, lens, cache).compile()
-    tc = time.perf_counter() - t0
-    state = {"cache": cache}
-    del cache
-
-    def run_pf(k=3):
-        c = state["cache"]
-        for _ in range(k):
-            lg, c = compiled(params, toks, lens, c)
-        lg.block_until_ready()
-        state["cache"] = c
-    run_pf(1)
-    t, ts = median_time(run_pf, S["reps"])
-    t /= 3
-    out["jax"]["prefill"] = {"batch": 1, "T": T, "ms": t * 1e3, "tokens_per_s": T / t, "compile_s": tc, "rep_s": ts}
-    log(f"[jax] prefill T={T}: {t * 1e3:.2f} ms, {T / t:.0f} tok/s (compile {tc:.1f} s)")
-    del state
-    save()
-
-    # the library's generate loop: same prompt length and cache length, greedy, no EOS
-    gen = {}
-    n1, n2 = S["gen_new"]
-    eos = jnp.asarray([-1], jnp.int32)
-    for B in S["batches"]:
-        toks = jnp.asarray(rng.integers(0, V, (B, S["prompt"])), jnp.int32)
-        lens = jnp.full((B,), S["prompt"], jnp.int32)
-        r = {"batch": B, "max_new": [n1, n2], "max_len": S["cache_len"]}
-        times = {}
-        for nn in (n1, n2):
-            def call(nn=nn):
-                o, steps = _generate(params, toks, lens, key, eos, cfg=cfg, max_new=nn, sampling=Sampling(),
-                                     max_len=S["cache_len"])
-                o.block_until_ready()
-                return int(steps)
-            t0 = time.perf_counter()
-            steps = call()
-            first = time.perf_counter() - t0
-            t, ts = median_time(call, 3)
-            times[nn] = t
-            r[f"first_call_s_{nn}"], r[f"median_s_{nn}"], r[f"steps_{nn}"] = first, t, steps
-        per = (times[n2] - times[n1]) / (n2 - n1)
-        r["step_ms"], r["tokens_per_s"] = per * 1e3, B / per
-        r["incl_prefill_tokens_per_s"] = B * n2 / times[n2]
-        gen[B] = r
-        log(f"[jax] generate B={B}: {per * 1e3:.3f} ms/step, {B / per:.1f} tok/s")
-        save_part(out, "generate", gen, save)
-
-
-def save_part(out, name, d, save):
-    out["jax"][name] = {str(k): v for k, v in d.items()}
-    save()
+    jax_decode(S, cfg, params, rng, out, save)
+    jax_prefill(S, cfg, params, rng, out, save)
+    jax_generate(S, cfg, params, rng, out, save)
 
 
 # ------------------------------------------------------------------------------------ diagnostics
@@ -324,35 +176,6 @@ def stage_compile(S: dict, out: dict, save, depth: str):
     out["compile_fresh"] = r
     log(f"[jax] fresh-process compile ({depth}): {r}")
 
-
-def hlo_report(compiled, min_mb: float = 64) -> dict:
-    """Big instructions of an optimized HLO module: copies, (dynamic-)slices, transposes, fusions.
-    (XLA's cost_analysis counts a while/scan body once, so its bytes are not per-step totals.)"""
-    import re
-    txt = compiled.as_text()
-    sizes = {"bf16": 2, "f32": 4, "s32": 4, "pred": 1, "f16": 2, "u32": 4, "s8": 1, "u8": 1}
-    big = []
-    for line in txt.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\S+?)\(", line)
-        if not m:
-            continue
-        name, dt, dims, op = m.groups()
-        n = 1
-        for d_ in filter(None, dims.split(",")):
-            n *= int(d_)
-        mb = n * sizes.get(dt, 4) / 2**20
-        if mb >= min_mb and op not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
-            kind = re.search(r"kind=(\w+)", line)
-            calls = re.search(r"calls=%?([\w.\-]+)", line)
-            big.append({"name": name, "op": op, "shape": f"{dt}[{dims}]", "MB": round(mb, 1),
-                        "kind": kind.group(1) if kind else None, "calls": calls.group(1) if calls else None})
-    try:
-        ca = compiled.cost_analysis()
-        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-        cost = {k: float(v) for k, v in ca.items() if k in ("bytes accessed", "flops")}
-    except Exception as e:  # noqa: BLE001
-        cost = {"error": repr(e)}
-    return {"cost_analysis": cost, "big_instructions": big, "hlo_chars": len(txt)}, txt
 
 
 def stage_diag(S: dict, out: dict, save):
@@ -419,7 +242,8 @@ def stage_diag(S: dict, out: dict, save):
         r["scan_step_ms"] = t / nsteps * 1e3
         del state
         # unrolled version over the same weights and an identical random cache
-        kcs = jax.random.normal(jax.random.PRNGKey(B), (L, B, S["cache_len"], cfg.num_kv_heads, cfg.head_dim), bf16)
+        kshape = jax.eval_shape(lambda: M.init_cache(cfg, B, S["cache_len"], bf16))[0]["k"].shape  # the library's layout
+        kcs = jax.random.normal(jax.random.PRNGKey(B), kshape, bf16)
         caches = [(kcs[i:i + 1], kcs[i:i + 1]) for i in range(L)]
         del kcs
         t0 = time.perf_counter()
@@ -522,39 +346,6 @@ def stage_diag_dsf(S: dict, out: dict, save):
 
 
 # ------------------------------------------------------------------------------------ torch stages
-def torch_ceilings(S: dict, out: dict):
-    import torch
-    dev = "cuda"
-    n = S["bw_bytes"] // 2
-    x = torch.randn(n, device=dev, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-
-    def cuda_time(fn, k=10):
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(5):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(k):
-                fn()
-            e1.record()
-            torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) / 1e3 / k)
-        return statistics.median(ts)
-
-    t_copy = cuda_time(lambda: y.copy_(x))
-    t_red = cuda_time(lambda: x.amax())
-    del x, y
-    N = S["mm"]
-    a = torch.randn(N, N, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(N, N, device=dev, dtype=torch.bfloat16)
-    t_mm = cuda_time(lambda: a @ b)
-    del a, b
-    torch.cuda.empty_cache()
-    return {"copy_rw_GBps": 2 * S["bw_bytes"] / t_copy / 1e9, "reduce_read_GBps": S["bw_bytes"] / t_red / 1e9,
-            "matmul_bf16_TFLOPs": 2 * N**3 / t_mm / 1e12}
-
 
 def build_hf(S: dict):
     import torch
@@ -578,11 +369,6 @@ def build_hf(S: dict):
         torch.cuda.synchronize()
     return model, dev, time.perf_counter() - t0
 
-
-def sync(dev):
-    import torch
-    if dev == "cuda":
-        torch.cuda.synchronize()
 
 
 def stage_hf_eager(S: dict, out: dict, save):
@@ -700,25 +486,6 @@ STAGE_ENV = {"diag_dsf": {"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=tr
 
 
 # ------------------------------------------------------------------------------------ driver
-def run_stage(name: str, args, S: dict):
-    out_path = Path(args.out) / f"stage_{name}.json"
-    out: dict = {"_out": str(args.out)}
-
-    def save():
-        out_path.write_text(json.dumps(out, indent=1, default=str))
-
-    try:
-        STAGES[name](S, out, save)
-        out["ok"] = True
-    except Exception as e:  # record the failure precisely, then fail the stage
-        import traceback
-        out["ok"] = False
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
-        save()
-        raise
-    save()
-
 
 def summarize(res: dict, S: dict) -> str:
     c = count(S["hf"])
@@ -793,29 +560,8 @@ def main():
     S = settings(args.tiny)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.stage:
-        return run_stage(args.stage, args, S)
-
-    limits = dict(kv.split("=") for kv in args.timeouts.split(","))
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
-    res = {"settings": {k: v for k, v in S.items() if k != "hf"}, "hf_config": S["hf"], "tiny": args.tiny,
-           "commit": args.commit, "jaxmodels_src_sha256_12": src_hash(), "host": platform.node(),
-           "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "stages": {}}
-    for name in args.stages.split(","):
-        t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--stage", name, "--out", args.out] + (["--tiny"] if args.tiny else [])
-        log(f"== stage {name} (limit {limits.get(name, 600)} s)")
-        try:
-            rc = subprocess.run(cmd, env=env | STAGE_ENV.get(name, {}), timeout=float(limits.get(name, 600))).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        res["stages"][name] = {"rc": rc, "wall_s": time.perf_counter() - t0}
-        p = Path(args.out) / f"stage_{name}.json"
-        res[f"stage_{name}"] = json.loads(p.read_text()) if p.exists() else {}
-        log(f"== stage {name}: rc={rc} in {res['stages'][name]['wall_s']:.1f} s")
-    table = summarize(res, S)
-    res["table"] = table
-    (Path(args.out) / "bench_dense.json").write_text(json.dumps(res, indent=1, default=str))
-    log("\n" + table)
+        return run_stage(STAGES, args.stage, args, S)
+    drive(__file__, "bench_dense.json", args, S, summarize, STAGE_ENV)
 
 
 if __name__ == "__main__":
