@@ -96,4 +96,5 @@ def dense(spec: MLPSpec, p, x):
 def _shared(spec, p, xt, out):
     if not spec.shared_intermediate_size:
         return out
-    return out + mlp.gated(MLPSpec(activation=spec.activation), p["shared"], xt)
+    shared = MLPSpec(activation=spec.activation, clamp_alpha=spec.clamp_alpha, clamp_limit=spec.clamp_limit)
+    return out + mlp.gated(shared, p["shared"], xt)
