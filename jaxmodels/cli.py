@@ -84,15 +84,25 @@ def _ranges(xs: list[int]) -> str:
 
 
 def _generate(args) -> int:
-    import jaxmodels as jm
+    from jaxmodels import distributed
 
-    model = jm.load(args.model, dtype=args.dtype)
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before any JAX work
+    import jax
+
+    import jaxmodels as jm
+    from jaxmodels import sharding
+
+    mesh = sharding.make_mesh(args.mesh) if args.mesh else None
+    model = jm.load(args.model, dtype=args.dtype, mesh=mesh, rules=args.rules)
+    quiet = jax.process_index() != 0  # every process runs the program; one prints
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               min_p=args.min_p, seed=args.seed, stop=args.stop or None, chat=args.chat,
               unroll=True if args.unroll else 1)
     out = jm.generate(model, list(args.prompt), **kw)
     # The first call includes compilation; a second, compiled run gives the tokens/s.
     warm = jm.generate(model, list(args.prompt), **kw) if args.timing else None
+    if quiet:
+        return 0
     for prompt, text, toks in zip(args.prompt, out.texts or [None] * len(out.tokens), out.tokens):
         print(f"> {prompt}")
         print(text if text is not None else toks)
@@ -136,6 +146,11 @@ def parser() -> argparse.ArgumentParser:
                    help="unroll the decode loop over layers: ~2x faster decode on GPU, longer compile")
     g.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                    help="run twice and report compiled tokens/s (default: on)")
+    g.add_argument("--mesh", help="shard over a device mesh, e.g. 'data=2,tensor=4' (axes: data fsdp tensor expert)")
+    g.add_argument("--rules", default="tp", help="sharding preset: tp | fsdp_tp | ep (default: tp)")
+    g.add_argument("--coordinator", help="multi-host: address host:port of process 0")
+    g.add_argument("--num-processes", type=int, help="multi-host: number of processes")
+    g.add_argument("--process-id", type=int, help="multi-host: this process's index")
     g.set_defaults(fn=_generate)
     return p
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmodels import model as M, sharding
+from jaxmodels.distributed import to_host
 from jaxmodels.sampling import Sampling, sample
 
 
@@ -113,7 +114,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     out, steps = _generate(model.params, jnp.asarray(tokens), lengths, jax.random.PRNGKey(seed),
                            jnp.asarray(sorted(eos) or [-1], jnp.int32), cfg=cfg, max_new=max_new_tokens,
                            sampling=sampling, max_len=max_len, unroll=unroll, shard=model.sharding)
-    out = np.asarray(out)[:, : int(steps)]
+    out = to_host(out)[:, : int(steps)]
     seconds = time.perf_counter() - t0
     results = [_cut(list(map(int, row)), eos, stop, tok) for row in out]
     texts = [tok.decode(r) for r in results] if tok is not None else None

@@ -138,8 +138,12 @@ def shardings(cfg, mesh: Mesh, rules="tp") -> dict:
 
 
 def shard_params(params: dict, cfg, mesh: Mesh, rules="tp") -> dict:
-    """Place (host or device) params onto the mesh."""
-    return jax.device_put(params, shardings(cfg, mesh, rules))
+    """Place params onto the mesh; each device receives only its slice (also across processes)."""
+    def place(a, s):
+        a = np.asarray(a) if not isinstance(a, jax.Array) or a.is_fully_addressable else a
+        return jax.make_array_from_callback(a.shape, s, lambda idx: a[idx])
+
+    return jax.tree.map(place, params, shardings(cfg, mesh, rules))
 
 
 # ------------------------------------------------------------------------------------ activations
