@@ -167,3 +167,15 @@ def constrain(x, names: tuple):
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, x.shape, mesh, rules)))
+
+
+def expert_axis(num_experts: int) -> tuple[Mesh, str] | None:
+    """(mesh, axis) when the active rules shard `experts` over a mesh axis that divides them."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    mesh, rules = active
+    axis = rules.get("experts")
+    if isinstance(axis, str) and mesh.shape.get(axis, 1) > 1 and num_experts % mesh.shape[axis] == 0:
+        return mesh, axis
+    return None

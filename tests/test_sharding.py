@@ -105,3 +105,15 @@ def test_partition_specs_match_the_golden_dump():
 if __name__ == "__main__":
     GOLDEN.write_text(json.dumps(golden_specs(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN}")
+
+
+def test_expert_parallel_runs_experts_locally():
+    """With experts over `expert`, MoE layers go through shard_map (local experts + one psum)."""
+    base = _model("qwen3_moe")
+    mesh = sharding.make_mesh("data=2,expert=4")
+    params = sharding.shard_params(base.params, base.config, mesh, "ep")
+    with sharding.use(mesh, "ep"):
+        text = str(jax.make_jaxpr(lambda p: M.forward(p, base.config, _ids()))(params))
+    assert "shard_map" in text and "psum" in text
+    with sharding.use(mesh, "tp"):  # tp keeps experts whole: plain sparse path
+        assert "shard_map" not in str(jax.make_jaxpr(lambda p: M.forward(p, base.config, _ids()))(params))

@@ -7,6 +7,9 @@ every token and masks: the reference the sparse path is tested against.
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
+from jaxmodels import sharding
 from jaxmodels.config import MLPSpec
 from jaxmodels.layers import mlp
 
@@ -47,23 +50,53 @@ def _expert_out(spec, p, x, e, ragged=None):
 def sparse(spec: MLPSpec, p, x):
     """Dropless routed experts (+ shared expert). x [..., D].
 
-    Few assignments (decode: tokens * top_k <= experts) gather just the chosen experts' weights;
-    otherwise tokens are sorted by expert into one grouped `ragged_dot` per matrix.
+    Under a mesh whose rules shard `experts`, each device computes only its own experts' assignments
+    (routing is replicated) and one psum over the expert axis combines them (`shard_map`).
     """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     w, idx = route(spec, p, xt)
-    if xt.shape[0] * spec.top_k <= spec.num_experts:
-        return _shared(spec, p, xt, _gathered(spec, p, xt, w, idx)).reshape(shape)
-    flat = idx.reshape(-1)
+    ep = sharding.expert_axis(spec.num_experts)
+    if ep is None:
+        out = _routed(spec, p, xt, w, idx, 0)
+    else:
+        mesh, axis = ep
+        experts = {k: v for k, v in p.items() if k in EXPERT_PARAMS}
+        in_specs = ({k: P(axis) for k in experts}, P(), P(), P())
+
+        def local(experts, xt, w, idx):
+            first = jax.lax.axis_index(axis) * (spec.num_experts // mesh.shape[axis])
+            return jax.lax.psum(_routed(spec, experts, xt, w, idx, first), axis)
+
+        out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(), axis_names={axis},
+                            check_vma=False)(experts, xt, w, idx)
+    return _shared(spec, p, xt, out).reshape(shape)
+
+
+EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
+
+def _routed(spec, p, xt, w, idx, first):
+    """Sum of the assignments to the experts in `p` (global ids first ..); other assignments add 0.
+
+    Few assignments (decode: tokens * top_k <= experts) gather just the chosen experts' weights;
+    otherwise rows are sorted by expert into one grouped `ragged_dot` per matrix (rows of other
+    devices' experts sort last, past every group, and come out zero).
+    """
+    E = p["w_gate"].shape[0]
+    local = idx - first
+    mine = (local >= 0) & (local < E)
+    w = jnp.where(mine, w, 0)
+    if xt.shape[0] * spec.top_k <= E:
+        return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1))
+    flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // spec.top_k
-    expert = flat[order]
-    sizes = jnp.bincount(flat, length=spec.num_experts).astype(jnp.int32)
+    expert = jnp.minimum(flat[order], E - 1)
+    sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     y = _expert_out(spec, p, xt[token], expert, ragged=sizes)
     y = y * w.reshape(-1)[order][:, None]
-    out = jnp.zeros_like(xt).at[token].add(y.astype(x.dtype))
-    return _shared(spec, p, xt, out).reshape(shape)
+    return jnp.zeros_like(xt).at[token].add(y.astype(xt.dtype))
 
 
 def _gathered(spec, p, xt, w, idx):
