@@ -115,5 +115,7 @@ def test_expert_parallel_runs_experts_locally():
     with sharding.use(mesh, "ep"):
         text = str(jax.make_jaxpr(lambda p: M.forward(p, base.config, _ids()))(params))
     assert "shard_map" in text and "psum" in text
-    with sharding.use(mesh, "tp"):  # tp keeps experts whole: plain sparse path
+    mesh = sharding.make_mesh("data=2,tensor=4")  # no expert axis: the plain sparse path
+    params = sharding.shard_params(base.params, base.config, mesh, "tp")
+    with sharding.use(mesh, "tp"):
         assert "shard_map" not in str(jax.make_jaxpr(lambda p: M.forward(p, base.config, _ids()))(params))
