@@ -172,10 +172,9 @@ def _attention(cfg, spec: LayerSpec, p, h, ctx, cache):
     scale = a.scale if a.scale is not None else cfg.head_dim**-0.5
     pos = ctx["positions"]
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, d]
-    if cache is None:  # attend within the sequence
-        allowed = attention.mask(pos, pos, a.window)
-        keys, vals, new_cache = k, v, None
-    else:
+    keys, vals, new_cache = k, v, None
+    allowed = attention.mask(pos, pos, a.window)  # within the sequence (no cache, or prefill)
+    if cache is not None:
         kc, vc, idx = cache
         slots = kc.shape[3]
         if ctx["mode"] == "prefill":  # keep each row's last `slots` valid positions
@@ -183,9 +182,7 @@ def _attention(cfg, spec: LayerSpec, p, h, ctx, cache):
             take = lambda x: jnp.where(valid[:, None, :, None], jnp.take_along_axis(x, src[:, None, :, None], 2), 0)
             kc = jax.lax.dynamic_update_index_in_dim(kc, take(k).astype(kc.dtype), idx, 0)
             vc = jax.lax.dynamic_update_index_in_dim(vc, take(v).astype(vc.dtype), idx, 0)
-            allowed = attention.mask(pos, pos, a.window)
-            keys, vals = k, v
-        else:  # decode one token per row: write it, then read the ring
+        else:  # decode one token per row: write it, then attend over the ring
             rows, slot = jnp.arange(pos.shape[0]), pos[:, 0] % slots
             kc = kc.at[idx, rows, :, slot].set(k[:, :, 0].astype(kc.dtype))
             vc = vc.at[idx, rows, :, slot].set(v[:, :, 0].astype(vc.dtype))
