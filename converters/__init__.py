@@ -5,7 +5,7 @@ import json
 import logging
 from pathlib import Path
 
-from converters.hf import import_params
+from converters.hf import import_params, import_sharded
 from converters.quant import MXFP4Reader
 from converters.safetensors_io import CheckpointError, SafetensorsReader, TorchReader
 from jaxmodels import families
@@ -14,12 +14,11 @@ from jaxmodels.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["convert", "read_source", "CheckpointError"]
+__all__ = ["convert", "read_source", "read_source_sharded", "open_source", "CheckpointError"]
 
 
-def read_source(src: str | Path, dtype: str = "float32", progress: bool = True
-                ) -> tuple[ModelConfig, dict, Tokenizer | None]:
-    """Import a checkpoint into memory: (config, numpy params, tokenizer or None)."""
+def open_source(src: str | Path):
+    """(config, reader, name map, skip patterns, tokenizer or None) of a checkpoint; reads no tensor data."""
     src = Path(src)
     if not src.exists():
         raise FileNotFoundError(f"checkpoint {src} does not exist")
@@ -27,20 +26,33 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool = True
         from converters.gguf_io import GGUFReader
 
         reader = GGUFReader(src)
-        cfg = families.config_from_hf(reader.hf_config)
-        fam = families.get(reader.hf_config["model_type"])
-        params = import_params(reader, cfg, families.name_map(fam, cfg), dtype, progress, skip=fam.skip)
-        return cfg, params, reader.tokenizer()
-    root = src if src.is_dir() else src.parent
-    if not (root / "config.json").exists():
-        raise CheckpointError(f"{root}: no config.json (expected an HF model directory or a .gguf file)")
-    hf = json.loads((root / "config.json").read_text())
+        hf, tok = reader.hf_config, reader.tokenizer()
+    else:
+        root = src if src.is_dir() else src.parent
+        if not (root / "config.json").exists():
+            raise CheckpointError(f"{root}: no config.json (expected an HF model directory or a .gguf file)")
+        hf = json.loads((root / "config.json").read_text())
+        has_st = any(root.glob("*.safetensors")) or (root / "model.safetensors.index.json").exists()
+        reader, tok = MXFP4Reader(SafetensorsReader(root) if has_st else TorchReader(src)), Tokenizer.from_dir(root)
     cfg = families.config_from_hf(hf)
-    has_st = any(root.glob("*.safetensors")) or (root / "model.safetensors.index.json").exists()
-    reader = MXFP4Reader(SafetensorsReader(root) if has_st else TorchReader(src))
     fam = families.get(families.model_type(hf))
-    params = import_params(reader, cfg, families.name_map(fam, cfg), dtype, progress, skip=fam.skip)
-    return cfg, params, Tokenizer.from_dir(root)
+    return cfg, reader, families.name_map(fam, cfg), fam.skip, tok
+
+
+def read_source(src: str | Path, dtype: str = "float32", progress: bool = True
+                ) -> tuple[ModelConfig, dict, Tokenizer | None]:
+    """Import a checkpoint into host memory: (config, numpy params, tokenizer or None)."""
+    cfg, reader, names, skip, tok = open_source(src)
+    return cfg, import_params(reader, cfg, names, dtype, progress, skip=skip), tok
+
+
+def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32"):
+    """Import a checkpoint straight onto a mesh; each device reads only its slices where possible."""
+    from jaxmodels import sharding
+
+    cfg, reader, names, skip, tok = open_source(src)
+    params = import_sharded(reader, cfg, names, sharding.shardings(cfg, mesh, rules), dtype, skip=skip)
+    return cfg, params, tok
 
 
 def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite: bool = False,

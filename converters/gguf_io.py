@@ -289,6 +289,9 @@ class GGUFReader:
         return w
 
     # ------------------------------------------------------------------------------- tokenizer
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return self.get(name)[index]  # quantized blocks are dequantized whole
+
     def tokenizer(self) -> Tokenizer | None:
         kind = self._field("tokenizer.ggml.model")
         if kind == "gpt2":

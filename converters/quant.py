@@ -54,6 +54,11 @@ class MXFP4Reader:
             return (*lead, g * 32, out)
         return self.reader.shape(name)
 
+    def get_slice(self, name, index):
+        if name in self._pairs:  # MXFP4 is decoded whole
+            return self.get(name)[index]
+        return self.reader.get_slice(name, index)
+
     def get(self, name):
         if name in self._pairs:
             blocks, scales = self._pairs[name]

@@ -67,6 +67,10 @@ class SafetensorsReader:
     def get(self, name: str) -> np.ndarray:
         return self._handles[self._where[name]].get_tensor(name)
 
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Only the bytes of `index` are read from the memory map."""
+        return self._handles[self._where[name]].get_slice(name)[index]
+
 
 class TorchReader:
     """PyTorch `.bin` / `.pt` state dicts, loaded with `weights_only=True` and memory-mapped."""
@@ -101,3 +105,6 @@ class TorchReader:
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
+
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return self.get(name)[index]

@@ -53,7 +53,7 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
     name of `jaxmodels.sharding.RULES` or a dict); a converted directory is restored straight into
     that sharding, each device reading only its shards.
     """
-    from converters import orbax_io, read_source
+    from converters import orbax_io, read_source, read_source_sharded
 
     path = Path(path)
     if orbax_io.is_converted(path):
@@ -68,8 +68,11 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
         params = jax.tree.map(jnp.asarray, params) if mesh is None else params
         tok = Tokenizer.from_dir(path)
     else:
-        cfg, params, tok = read_source(path, dtype or "float32")
-        params = jax.tree.map(jnp.asarray, params) if mesh is None else sharding.shard_params(params, cfg, mesh, rules)
+        if mesh is None:
+            cfg, params, tok = read_source(path, dtype or "float32")
+            params = jax.tree.map(jnp.asarray, params)
+        else:
+            cfg, params, tok = read_source_sharded(path, mesh, rules, dtype or "float32")
     if dtype is not None:
         params = jax.tree.map(lambda a: a.astype(dtype), params)
     return Model(cfg, params, tok, mesh, rules)
