@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxmodels.config import LayerSpec, ModelConfig
 from jaxmodels.layers import attention, mlp, moe, rope

@@ -134,22 +134,6 @@ def ours(gguf_file, tmp_path_factory):
     return model
 
 
-@pytest.fixture(scope="module")
-def hf_tok(gguf_file):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_file):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
-
-
 def test_config_matches_hf(ours, hf_model):
     cfg, hf = ours.config, hf_model.config
     assert (cfg.family, cfg.vocab_size, cfg.hidden_size, len(cfg.layers)) == ("gemma3", 262144, 640, 18)

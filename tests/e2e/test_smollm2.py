@@ -73,22 +73,6 @@ def ours(gguf_file, tmp_path_factory):
     return model
 
 
-@pytest.fixture(scope="module")
-def hf_tok(gguf_file):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_file):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
-
-
 def test_tokenizer_matches_hf(ours, hf_tok):
     ids = ours.tokenizer.encode(TEXT)
     assert ids == hf_tok(TEXT)["input_ids"]
