@@ -190,8 +190,11 @@ def _attention(cfg, spec: LayerSpec, p, h, ctx, cache):
             k_pos = q_last - (q_last - jnp.arange(slots)[None]) % slots  # position held by each slot
             allowed = attention.mask(pos, k_pos, a.window, k_valid=k_pos >= 0)
         new_cache = (kc, vc)
-    o = attention.attend(q, keys.astype(q.dtype), vals.astype(q.dtype), allowed, scale=scale, softcap=a.softcap,
-                         sinks=p.get("sinks"))
+    if ctx["mode"] != "decode" and a.softcap is None and not a.sinks:  # whole sequence: the library's fused path
+        o = attention.causal(q, k, v, scale=scale, window=a.window)
+    else:
+        o = attention.attend(q, keys.astype(q.dtype), vals.astype(q.dtype), allowed, scale=scale,
+                             softcap=a.softcap, sinks=p.get("sinks"))
     out = jnp.einsum("bthd,hdo->bto", o, p["wo"])
     if a.out_bias:
         out = out + p["bo"]
