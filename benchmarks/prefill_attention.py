@@ -2,7 +2,11 @@
 
     PYTHONPATH=. python3 benchmarks/prefill_attention.py
 """
-import time, jax, jax.numpy as jnp, numpy as np
+import time
+
+import jax
+import jax.numpy as jnp
+
 from jaxmodels import families, model as M
 from jaxmodels.layers import attention
 from benchmarks.bench_dense import LLAMA31_8B
