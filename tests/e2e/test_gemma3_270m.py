@@ -26,6 +26,7 @@ import torch
 
 import converters
 import jaxmodels as jm
+from tests.e2e.reference import assert_greedy_matches_hf
 
 pytestmark = pytest.mark.slow
 
@@ -206,15 +207,4 @@ def test_teacher_forced_top1_agreement(ours, hf_model, record_property):
 
 
 def test_greedy_continuation_matches_hf(ours, hf_model, hf_tok):
-    out = jm.generate(ours, [GREEDY_PROMPT], max_new_tokens=N_NEW, ignore_eos=True)
-    prompt = out.prompt_tokens[0]
-    assert prompt == hf_tok(GREEDY_PROMPT)["input_ids"]
-    ids = torch.as_tensor([prompt], dtype=torch.long)
-    with torch.no_grad():
-        want = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW,
-                                 min_new_tokens=N_NEW, do_sample=False, pad_token_id=hf_tok.pad_token_id)
-    want = want[0, len(prompt):].tolist()
-    assert len(want) == N_NEW
-    assert out.tokens[0] == want, (f"ours: {ours.tokenizer.decode(out.tokens[0])!r}\n"
-                                   f"HF:   {ours.tokenizer.decode(want)!r}")
-    assert out.texts[0] == hf_tok.decode(want, skip_special_tokens=True)
+    assert_greedy_matches_hf(ours, hf_model, hf_tok, GREEDY_PROMPT, N_NEW)
