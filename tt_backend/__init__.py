@@ -1,1 +1,14 @@
-"""Placeholder package: see the issues that build it."""
+"""tt_backend: the jaxmodels layer plan lowered to ttnn calls, with a CPU emulator of those calls.
+
+    import tt_backend
+    logits = tt_backend.forward(model, tokens, numerics="full")   # float32 [B, T, vocab]
+    progs = tt_backend.lower(model.config)                         # TTModelProgram (prefill + decode)
+    ex = tt_backend.Executor(model)                                # paged prefill/decode (see emu/executor.py)
+
+Modules: program (TT call lists), lowering (plan -> calls, constraint checks), weights (HF -> TT layout,
+precision policy), emu (NumPy ttnn emulation), formats (tiles, bfp), paged_cache, generator, api, ttnn_exec.
+"""
+from tt_backend.emu.executor import Executor, forward
+from tt_backend.lowering import TTConstraintError, lower
+
+__all__ = ["forward", "lower", "Executor", "TTConstraintError"]

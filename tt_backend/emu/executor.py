@@ -1,0 +1,158 @@
+"""Runs TT programs on the NumPy emulator, against paged KV caches.
+
+Executor API (what `tt_backend.generator` drives for vLLM-style prefill/decode):
+
+    ex = Executor(model, numerics="full", policy="performance", max_seq_len=8192, block_size=32)
+    kv = ex.allocate_kv_cache(num_blocks)        # [layer][0=K, 1=V] float32 [num_blocks, K, block, d]
+    #   (or any buffers of ex.kv_cache_shape(num_blocks); layers may share one buffer pair)
+    logits = ex.prefill(tokens, page_table_row, kv, owners=None)       # one user: [T, vocab]
+    logits = ex.decode(tokens, positions, page_table, kv, owners=None)  # B <= 32 users: [B, vocab]
+
+- prefill: `tokens` int [T] of one user; `page_table_row` int [W] holds that user's blocks in logical
+  order. The prompt is padded to a multiple of 128; page-table entries past the prompt's own blocks
+  are replaced by -1, so the padded tail never lands in a block the user does not own (#56324).
+  Returns the logits of all T prompt positions.
+- decode: `tokens` [B], `positions` [B] (absolute position of each token; -1 skips the row: no cache
+  write, zero attention output), `page_table` [B, W] with W * block_size > max position.
+- caches are updated in place (device buffers), rounded to the policy's KV dtype (bfloat8_b by
+  default) as the device would hold them. `owners` (a `paged_cache.RowOwners`) makes every cache write
+  check block ownership and raise `paged_cache.BlockOwnershipError` on a foreign block.
+- sliding-window layers use full-length caches; the window is applied when attention reads them.
+- `run(program, inputs, kv)` executes any `TTProgram` and returns every named tensor it produced
+  (per-layer outputs are "l<i>.out"), for layer-level tests.
+
+Numerics: see `tt_backend.emu.numerics` (levels exact / storage / full).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from tt_backend import paged_cache
+from tt_backend.emu import numerics
+from tt_backend.emu.ops import OPS, Env
+from tt_backend.lowering import check_decode_batch, lower, padded_prefill_len
+from tt_backend.program import Ref, TTProgram
+from tt_backend.weights import policy as get_policy, prepare
+
+
+class Executor:
+    def __init__(self, model, *, numerics: str = "full", policy: str = "performance", max_seq_len: int = 8192,
+                 block_size: int = 32):
+        self.config, self.level = model.config, numerics_level(numerics)
+        self.policy, self.max_seq_len, self.block_size = get_policy(policy), max_seq_len, block_size
+        progs = lower(self.config, prefill_len=1, batch=1, max_seq_len=max_seq_len, block_size=block_size,
+                      policy=self.policy)  # checks the config and fixes the weight specs
+        specs = {n: s for n, s in progs.prefill.tensors.items() if s.kind == "weight"}
+        specs |= {n: s for n, s in progs.decode.tensors.items() if s.kind == "weight"}
+        host = prepare(self.config, model.params, max_seq_len)
+        if set(host) != set(specs):
+            raise ValueError(f"weights and program disagree: unused {sorted(set(host) - set(specs))}, "
+                             f"missing {sorted(set(specs) - set(host))}")
+        for n, s in specs.items():
+            want = tuple(s.shape)
+            if host[n].shape != want:
+                raise ValueError(f"weight {n}: prepared shape {host[n].shape} != program shape {want}")
+        # weights are converted once on the host (ttnn.as_tensor): host packing at every level but exact
+        self.weights = {n: self._store(v, specs[n].dtype, "host") for n, v in host.items()}
+        self.kv_dtype = "ttnn.float32" if self.level == "exact" else self.policy.kv_cache
+
+    # ------------------------------------------------------------------------------ programs
+    @functools.lru_cache(maxsize=16)
+    def program(self, mode: str, rows: int) -> TTProgram:
+        """The prefill program for `rows` (padded) tokens, or the decode program for `rows` users."""
+        kw = dict(max_seq_len=self.max_seq_len, block_size=self.block_size, policy=self.policy)
+        if mode == "prefill":
+            return lower(self.config, prefill_len=rows, batch=1, **kw).prefill
+        return lower(self.config, prefill_len=1, batch=rows, **kw).decode
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return paged_cache.cache_shape(num_blocks, self.config.num_kv_heads, self.block_size, self.config.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int) -> list[list[np.ndarray]]:
+        shape = self.kv_cache_shape(num_blocks)
+        return paged_cache.allocate_shared_buffers([(shape, np.float32, i) for i in range(self.config.num_layers)])
+
+    # ----------------------------------------------------------------------------------- run
+    def _store(self, x, dtype: str, mode: str):
+        if self.level == "exact":
+            return np.asarray(x, np.float32) if np.asarray(x).dtype.kind == "f" else x
+        return numerics.quantize(x, dtype, "host" if self.level == "storage" else mode)
+
+    def run(self, prog: TTProgram, inputs: dict, kv_cache, owners=None) -> dict[str, np.ndarray]:
+        if set(inputs) != set(prog.inputs):
+            raise ValueError(f"program inputs are {sorted(prog.inputs)}, got {sorted(inputs)}")
+        if len(kv_cache) != self.config.num_layers:
+            raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {self.config.num_layers}")
+        t = dict(self.weights)
+        t |= {n: np.asarray(v) for n, v in inputs.items()}
+        for i, (k, v) in enumerate(kv_cache):
+            t[f"kv.{i}.k"], t[f"kv.{i}.v"] = k, v
+        env = Env(self.level, lambda x, dt: self._store(x, dt, "device"), self.kv_dtype, owners)
+        for n, c in enumerate(prog.calls):
+            fn = OPS.get(c.op)
+            if fn is None:
+                raise NotImplementedError(f"call {n}: the emulator has no {c.op}")
+            kw = {k: t[v.name] if isinstance(v, Ref) else v for k, v in c.kwargs.items()}
+            res = fn(env, *[t[x] for x in c.inputs], **kw)
+            res = (res,) if len(c.outputs) == 1 else res
+            for name, val in zip(c.outputs, res):
+                t[name] = self._store(val, prog.tensors[name].dtype, "device")
+        return t
+
+    def prefill(self, tokens, page_table_row, kv_cache, *, owners=None, return_all: bool = False):
+        """One user's prompt -> logits [T, vocab] (or every named tensor with return_all)."""
+        tokens = np.asarray(tokens).reshape(-1)
+        T = tokens.shape[0]
+        S = padded_prefill_len(T)
+        if S > self.max_seq_len:
+            raise ValueError(f"prompt of {T} tokens pads to {S} > max_seq_len={self.max_seq_len}")
+        prog = self.program("prefill", S)
+        ids = np.zeros((1, S), np.uint32)
+        ids[0, :T] = tokens
+        pt = paged_cache.prefill_page_table(page_table_row, T, S, self.block_size)
+        t = self.run(prog, {"tokens": ids, "rope_pos": np.arange(S, dtype=np.uint32)[None], "page_table": pt},
+                     kv_cache, owners)
+        return t if return_all else _logits(t, prog)[:T]
+
+    def decode(self, tokens, positions, page_table, kv_cache, *, owners=None, return_all: bool = False):
+        """One token per user -> logits [B, vocab]."""
+        tokens, positions = np.asarray(tokens).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
+        B = tokens.shape[0]
+        check_decode_batch(B)
+        if positions.shape[0] != B:
+            raise ValueError(f"{positions.shape[0]} positions for {B} tokens")
+        if positions.max() >= self.max_seq_len:
+            raise ValueError(f"position {positions.max()} >= max_seq_len={self.max_seq_len}")
+        prog = self.program("decode", B)
+        inputs = {"tokens": tokens.astype(np.uint32)[None], "rope_pos": np.maximum(positions, 0).astype(np.uint32)[None],
+                  "page_table": np.asarray(page_table, np.int32), "cur_pos": positions.astype(np.int32)}
+        t = self.run(prog, inputs, kv_cache, owners)
+        return t if return_all else _logits(t, prog)
+
+
+def _logits(t: dict, prog: TTProgram) -> np.ndarray:
+    x = t[prog.outputs[0]]
+    return np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+
+
+def numerics_level(level: str) -> str:
+    return numerics.check_level(level)
+
+
+def forward(model, tokens, numerics: str = "full", policy: str = "performance") -> np.ndarray:
+    """tokens int [B, T] -> float32 logits [B, T, vocab]: each row prefilled by the emulated TT program
+    (the counterpart of `jm.forward`)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    B, T = tokens.shape
+    bs = 32
+    S = padded_prefill_len(T)
+    ex = Executor(model, numerics=numerics, policy=policy, max_seq_len=S, block_size=bs)
+    out = np.empty((B, T, model.config.vocab_size), np.float32)
+    for b in range(B):
+        kv = ex.allocate_kv_cache(S // bs)
+        out[b] = ex.prefill(tokens[b], np.arange(S // bs, dtype=np.int32), kv)
+    return out

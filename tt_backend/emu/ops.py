@@ -1,0 +1,292 @@
+"""One NumPy function per ttnn op the lowering emits: the op's semantics, plus the compute numerics
+that happen inside it (matmul fidelity/accumulation, bf16 attention probabilities) at level `full`.
+
+Every function takes an `Env` first (numerics level, output quantiser) and the op's own positional
+tensors and keyword arguments, named as ttnn names them. Tensors are float32 arrays of their
+*logical* shape; the executor rounds each output to its declared dtype. Integer inputs (token ids,
+positions, page tables) are int arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from tt_backend import paged_cache
+from tt_backend.emu.numerics import bf16, matmul
+
+F32 = np.float32
+
+
+@dataclass
+class Env:
+    level: str  # exact | storage | full
+    store: Callable[[np.ndarray, str], np.ndarray]  # (values, ttnn dtype) -> values as that dtype holds them
+    kv_dtype: str = "ttnn.bfloat16"  # the paged caches' dtype (paged_update_cache repacks into it)
+    owners: object = None  # paged_cache.RowOwners: block-ownership checks on every cache write
+
+    @property
+    def full(self) -> bool:
+        return self.level == "full"
+
+
+OPS: dict[str, Callable] = {}
+
+
+def op(name: str):
+    def deco(fn):
+        OPS[name] = fn
+        return fn
+
+    return deco
+
+
+# ---------------------------------------------------------------------------------- data movement
+@op("ttnn.embedding")
+def embedding(env, input_tensor, weight, *, layout=None, dtype=None, memory_config=None):
+    """ids [1, R] -> rows [1, R, D] (an exact gather)."""
+    ids = np.asarray(input_tensor).astype(np.int64)
+    if ids.min() < 0 or ids.max() >= weight.shape[0]:
+        raise IndexError(f"embedding index out of range [0, {weight.shape[0]}): {ids.min()}..{ids.max()}")
+    return weight[ids]
+
+
+@op("ttnn.reshape")
+def reshape(env, input_tensor, *, shape, memory_config=None):
+    return input_tensor.reshape(shape)
+
+
+@op("ttnn.typecast")
+def typecast(env, input_tensor, *, dtype, memory_config=None):
+    """Values only change by the output dtype's rounding, which the executor applies."""
+    return input_tensor
+
+
+@op("ttnn.experimental.nlp_create_qkv_heads")
+def nlp_create_qkv_heads(env, input_tensor, *, num_heads, num_kv_heads, transpose_k_heads=False,
+                         memory_config=None):
+    """[1, 1, S, (H + 2K) d] -> q [1, H, S, d], k [1, K, S, d] (or [1, K, d, S]), v [1, K, S, d]."""
+    _, _, S, W = input_tensor.shape
+    d = W // (num_heads + 2 * num_kv_heads)
+    x = input_tensor[0, 0].reshape(S, num_heads + 2 * num_kv_heads, d).transpose(1, 0, 2)[None]
+    q, k, v = x[:, :num_heads], x[:, num_heads:num_heads + num_kv_heads], x[:, num_heads + num_kv_heads:]
+    return q, (k.transpose(0, 1, 3, 2) if transpose_k_heads else k), v
+
+
+@op("ttnn.experimental.nlp_create_qkv_heads_decode")
+def nlp_create_qkv_heads_decode(env, input_tensor, *, num_heads, num_kv_heads, memory_config=None):
+    """[1, 1, B, (H + 2K) d] -> q [1, B, H, d], k/v [1, B, K, d] (heads padded to 32 only in storage)."""
+    _, _, B, W = input_tensor.shape
+    d = W // (num_heads + 2 * num_kv_heads)
+    x = input_tensor[0, 0].reshape(B, num_heads + 2 * num_kv_heads, d)[None]
+    return x[:, :, :num_heads], x[:, :, num_heads:num_heads + num_kv_heads], x[:, :, num_heads + num_kv_heads:]
+
+
+@op("ttnn.experimental.nlp_concat_heads")
+def nlp_concat_heads(env, input_tensor, *, memory_config=None):
+    """[1, H, S, d] -> [1, 1, S, H d]."""
+    _, H, S, d = input_tensor.shape
+    return input_tensor[0].transpose(1, 0, 2).reshape(1, 1, S, H * d)
+
+
+@op("ttnn.experimental.nlp_concat_heads_decode")
+def nlp_concat_heads_decode(env, input_tensor, *, num_heads, memory_config=None):
+    """[1, B, H(pad), d] -> [1, 1, B, num_heads d] (padding heads dropped)."""
+    _, B, _, d = input_tensor.shape
+    return input_tensor[:, :, :num_heads].reshape(1, 1, B, num_heads * d)
+
+
+# ----------------------------------------------------------------------------------- arithmetic
+@op("ttnn.rms_norm")
+def rms_norm(env, input_tensor, *, epsilon, weight=None, bias=None, compute_kernel_config=None,
+             memory_config=None, program_config=None):
+    """x / sqrt(mean(x^2) + eps) * weight, statistics in fp32 (fp32 Dst accumulation)."""
+    x = input_tensor.astype(F32)
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(epsilon))
+    if weight is not None:
+        y = y * weight.reshape(-1)
+    return y + bias.reshape(-1) if bias is not None else y
+
+
+@op("ttnn.layer_norm")
+def layer_norm(env, input_tensor, *, epsilon, weight=None, bias=None, compute_kernel_config=None,
+               memory_config=None, program_config=None):
+    x = input_tensor.astype(F32)
+    c = x - np.mean(x, axis=-1, keepdims=True)
+    y = c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + F32(epsilon))
+    if weight is not None:
+        y = y * weight.reshape(-1)
+    return y + bias.reshape(-1) if bias is not None else y
+
+
+@op("ttnn.linear")
+def linear(env, input_tensor_a, input_tensor_b, *, bias=None, dtype=None, compute_kernel_config=None,
+           memory_config=None, program_config=None):
+    """[..., M, K] @ [1, 1, K, N] through the matrix-engine model."""
+    y = matmul(input_tensor_a, input_tensor_b[0, 0], env.level, compute_kernel_config)
+    return y + bias.reshape(-1) if bias is not None else y
+
+
+@op("ttnn.matmul")
+def ttnn_matmul(env, input_tensor_a, input_tensor_b, *, dtype=None, compute_kernel_config=None,
+                memory_config=None, program_config=None):
+    return linear(env, input_tensor_a, input_tensor_b, compute_kernel_config=compute_kernel_config)
+
+
+_UNARY = {
+    "ttnn.UnaryOpType.SILU": lambda x: x / (F32(1) + np.exp(-x)),
+    "ttnn.UnaryOpType.GELU": lambda x: F32(0.5) * x * (F32(1) + _erf(x / np.sqrt(F32(2)))),
+    "ttnn.UnaryOpType.GELU_APPROX": lambda x: F32(0.5) * x * (F32(1) + np.tanh(
+        np.sqrt(F32(2 / np.pi)) * (x + F32(0.044715) * x ** 3))),
+}
+
+
+def _erf(x):
+    from math import erf
+
+    return np.vectorize(erf, otypes=[F32])(x)
+
+
+def _binary(a, b, input_tensor_b):
+    if (b is None) == (input_tensor_b is None):
+        raise TypeError("give exactly one second operand (a tensor, or input_tensor_b as a scalar)")
+    return b if b is not None else F32(input_tensor_b)
+
+
+@op("ttnn.mul")
+def mul(env, input_tensor_a, input_tensor_b_tensor=None, *, input_tensor_b=None, input_tensor_a_activations=None,
+        dtype=None, memory_config=None):
+    """a * b with optional fused activations on a (fp32 SFPU math, output rounded by the executor)."""
+    a = input_tensor_a.astype(F32)
+    for act in input_tensor_a_activations or ():
+        if act not in _UNARY:
+            raise NotImplementedError(f"activation {act} is not emulated")
+        a = _UNARY[act](a)
+    return a * _binary(a, input_tensor_b_tensor, input_tensor_b)
+
+
+@op("ttnn.add")
+def add(env, input_tensor_a, input_tensor_b_tensor=None, *, input_tensor_b=None, dtype=None, memory_config=None):
+    return input_tensor_a.astype(F32) + _binary(input_tensor_a, input_tensor_b_tensor, input_tensor_b)
+
+
+@op("ttnn.tanh")
+def tanh(env, input_tensor, *, memory_config=None):
+    return np.tanh(input_tensor.astype(F32))
+
+
+# ---------------------------------------------------------------------------------------- RoPE
+@op("ttnn.experimental.rotary_embedding_llama")
+def rotary_embedding_llama(env, input_tensor, cos_cache, sin_cache, trans_mat, *, is_decode_mode=False,
+                           compute_kernel_config=None, memory_config=None):
+    """x * cos + (x @ T) * sin, T one 32x32 tile applied to each 32-column tile of head_dim.
+
+    prefill: x [1, H, S, d], cos/sin [1, 1, S, d]; decode: x [1, B, H, d], cos/sin [1, B, 1, d].
+    """
+    x = input_tensor.astype(F32)
+    d = x.shape[-1]
+    tiles = x.reshape(*x.shape[:-1], d // 32, 32)
+    rot = matmul(tiles, trans_mat[0, 0], env.level, compute_kernel_config).reshape(x.shape)
+    if env.full:
+        rot = bf16(rot)  # the swapped tile is packed before the elementwise multiply
+    return x * cos_cache + rot * sin_cache
+
+
+# ------------------------------------------------------------------------------------ KV caches
+def _cache_rows(env, dtype: str):
+    return lambda rows: env.store(np.asarray(rows, F32), dtype)
+
+
+@op("ttnn.experimental.paged_fill_cache")
+def paged_fill_cache(env, cache, input_tensor, page_table, *, batch_idx=0):
+    """Raw tile copy through one page-table row (tt_backend.paged_cache semantics), in place."""
+    paged_cache.paged_fill_cache(cache, np.asarray(input_tensor, cache.dtype), np.asarray(page_table),
+                                 batch_idx=batch_idx, owners=env.owners)
+    return ()
+
+
+@op("ttnn.experimental.paged_update_cache")
+def paged_update_cache(env, cache, input_tensor, *, update_idxs_tensor, page_table):
+    """One token row per user, repacked into the cache dtype (rows are independent bfp blocks)."""
+    q = _cache_rows(env, env.kv_dtype)
+    paged_cache.paged_update_cache(cache, np.asarray(input_tensor, F32), update_idxs=np.asarray(update_idxs_tensor),
+                                   page_table=np.asarray(page_table), quantize=q, owners=env.owners)
+    return ()
+
+
+# ------------------------------------------------------------------------------------ attention
+def _softmax_attend(env, q, k, v, allowed, scale, sink, cfg):
+    """q [G, r, Tq, d] against k/v [G, Tk, d] (G kv heads, r query heads each); allowed [Tq, Tk] or
+    [r?]; sink [G, r] logits or None. Scores fp32, softmax fp32, P rounded to bf16 before P@V at full."""
+    s = matmul(q, np.swapaxes(k, -1, -2)[:, None], env.level, cfg) * F32(scale)
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, sink[..., None, None])
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(s - m)
+    den = e.sum(-1, keepdims=True)
+    if sink is not None:
+        den = den + np.exp(sink[..., None, None] - m)
+    p = np.where(den > 0, e / np.where(den > 0, den, 1), 0).astype(F32)
+    if env.full:
+        p = bf16(p)
+    return matmul(p, v[:, None], env.level, cfg)
+
+
+def _sink(attention_sink, H, K):
+    return None if attention_sink is None else attention_sink.reshape(-1)[:H].reshape(K, H // K).astype(F32)
+
+
+@op("ttnn.transformer.scaled_dot_product_attention")
+def scaled_dot_product_attention(env, input_tensor_q, input_tensor_k, input_tensor_v, *, is_causal=True,
+                                 attn_mask=None, scale=None, sliding_window_size=None, attention_sink=None,
+                                 compute_kernel_config=None, program_config=None, memory_config=None):
+    """q [1, H, S, d], k/v [1, K, S, d] -> [1, H, S, d]; grouped heads, causal, optional window of
+    `sliding_window_size` keys (the query and the W-1 before it) and per-head sink logits."""
+    if not is_causal or attn_mask is not None:
+        raise NotImplementedError("only causal prefill attention is emulated")
+    _, H, S, d = input_tensor_q.shape
+    K = input_tensor_k.shape[1]
+    q = input_tensor_q[0].reshape(K, H // K, S, d)
+    sink, sc = _sink(attention_sink, H, K), scale if scale is not None else d**-0.5
+    out = np.empty((K, H // K, S, d), F32)
+    for r0 in range(0, S, 256):  # query blocks bound the [S, S] score memory (values are unchanged)
+        r1 = min(S, r0 + 256)
+        k0 = max(0, r0 - sliding_window_size + 1) if sliding_window_size else 0  # keys no query here can see
+        i, j = np.arange(r0, r1)[:, None], np.arange(k0, r1)[None, :]
+        allowed = j <= i
+        if sliding_window_size:
+            allowed &= j > i - sliding_window_size
+        out[:, :, r0:r1] = _softmax_attend(env, q[:, :, r0:r1], input_tensor_k[0, :, k0:r1],
+                                           input_tensor_v[0, :, k0:r1], allowed, sc, sink, compute_kernel_config)
+    return out.reshape(1, H, S, d)
+
+
+@op("ttnn.transformer.paged_scaled_dot_product_attention_decode")
+def paged_scaled_dot_product_attention_decode(env, input_tensor_q, input_tensor_k, input_tensor_v, *,
+                                              page_table_tensor, cur_pos_tensor, scale=None,
+                                              sliding_window_size=None, attention_sink=None,
+                                              compute_kernel_config=None, program_config=None,
+                                              memory_config=None):
+    """q [1, B, H, d]; K/V paged caches; user b attends to its positions 0..cur_pos[b] (the last
+    `sliding_window_size` of them when set). cur_pos -1 skips the user (output 0); -1 page-table
+    entries read as zeros."""
+    _, B, H, d = input_tensor_q.shape
+    K = input_tensor_k.shape[1]
+    pt, pos = np.asarray(page_table_tensor), np.asarray(cur_pos_tensor).reshape(-1)
+    out = np.zeros((1, B, H, d), F32)
+    for b in range(B):
+        p = int(pos[b])
+        if p < 0:
+            continue
+        keys = paged_cache.gather_sequence(input_tensor_k, pt[b], p + 1)
+        vals = paged_cache.gather_sequence(input_tensor_v, pt[b], p + 1)
+        j = np.arange(p + 1)
+        allowed = (j > p - sliding_window_size) if sliding_window_size else np.ones(p + 1, bool)
+        q = input_tensor_q[0, b].reshape(K, H // K, 1, d)
+        o = _softmax_attend(env, q, keys, vals, allowed[None, :], scale if scale is not None else d**-0.5,
+                            _sink(attention_sink, H, K), compute_kernel_config)
+        out[0, b] = o.reshape(H, d)
+    return out

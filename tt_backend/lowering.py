@@ -1,0 +1,374 @@
+"""The layer plan -> TT programs (ttnn call lists), as tt_transformers writes a decoder layer.
+
+`lower(cfg, prefill_len=..., batch=..., ...)` returns a `TTModelProgram` with
+- prefill: one user, its prompt padded to a multiple of 128 (`padded_prefill_len`), activations
+  [1, 1, S, D] in DRAM; K/V typecast to the cache dtype and written with `paged_fill_cache`;
+  causal `scaled_dot_product_attention`; logits for all S rows;
+- decode: one token for each of B users (B <= 32), activations [1, 1, B, D]; heads padded to 32
+  by `nlp_create_qkv_heads_decode`; `paged_update_cache` with bf16 rows; paged SDPA decode.
+
+Both read the same weights (`tt_backend.weights.prepare`) and the same per-layer paged K/V caches
+[num_blocks, kv_heads, block_size, head_dim] ("kv.<layer>.k" / ".v"). Sliding-window layers keep a
+full-length cache and enforce the window on the read side (`sliding_window_size`), as Tenstorrent's
+generator_vllm does.
+
+`check_config` raises `TTConstraintError` for what TT cannot do and `NotImplementedError` for what
+this lowering does not do yet (MoE, mHC, MLA); nothing falls back silently. `check_program`
+validates a program's calls (dtype/layout rules of cache ops, tile alignment, batch width).
+"""
+from __future__ import annotations
+
+import math
+
+from jaxmodels.config import LayerSpec, ModelConfig
+from tt_backend.program import Ref, TTCall, TTModelProgram, TTProgram, TTTensorSpec
+from tt_backend.weights import Precision, policy as get_policy, rope_specs
+
+TILE = 32
+PREFILL_MULTIPLE = 128  # scaled_dot_product_attention asserts seq_len % 128 == 0 (tt_transformers attention.py)
+MAX_DECODE_BATCH = 32  # decode activations hold one user per row of one 32-row tile
+MAX_HEADS = 32  # nlp_create_qkv_heads_decode pads heads to 32 (one tile of rows)
+MAX_TOPK_WIDTH = 65536  # ttnn.topk: widest single call (tt_sampling chunks the vocab by 64K)
+MAX_TOPK_K = 32  # ttnn.sampling: k in (0, 32]
+
+BF16, BFP8, BFP4, F32, U32, I32 = ("ttnn.bfloat16", "ttnn.bfloat8_b", "ttnn.bfloat4_b", "ttnn.float32",
+                                   "ttnn.uint32", "ttnn.int32")
+TILE_L, RM = "ttnn.TILE_LAYOUT", "ttnn.ROW_MAJOR_LAYOUT"
+DRAM, L1_WIDTH, L1_HEIGHT = "DRAM_MEMORY_CONFIG", "L1_WIDTH_SHARDED_MEMORY_CONFIG", "L1_HEIGHT_SHARDED_MEMORY_CONFIG"
+ACTIVATIONS = {"silu": "ttnn.UnaryOpType.SILU", "gelu_tanh": "ttnn.UnaryOpType.GELU_APPROX",
+               "gelu": "ttnn.UnaryOpType.GELU"}
+
+
+class TTConstraintError(ValueError):
+    """A shape or setting the TT device cannot run (not a missing feature of this lowering)."""
+
+
+# ----------------------------------------------------------------------------------- checks
+def padded_prefill_len(n: int) -> int:
+    """The prompt length a prefill program is built for: the next multiple of 128."""
+    if n < 1:
+        raise TTConstraintError(f"prefill needs at least one token, got {n}")
+    return -(-n // PREFILL_MULTIPLE) * PREFILL_MULTIPLE
+
+
+def _pad(n: int) -> int:
+    return -(-n // TILE) * TILE
+
+
+def check_layer(cfg: ModelConfig, i: int, spec: LayerSpec) -> None:
+    a = spec.attention
+    where = f"layer {i}"
+    if spec.residual != "plain":
+        raise NotImplementedError(f"{where}: residual {spec.residual!r} (mHC) lowering is a later issue")
+    if getattr(a, "kind", "mha") not in ("mha", "gqa", None) or hasattr(a, "kv_lora_rank"):
+        raise NotImplementedError(f"{where}: MLA lowering is a later issue")
+    if spec.mlp.kind == "moe":
+        raise NotImplementedError(f"{where}: MoE lowering: later issue")
+    if spec.mlp.activation not in ACTIVATIONS:
+        raise NotImplementedError(f"{where}: MLP activation {spec.mlp.activation!r} has no fused ttnn.mul "
+                                  f"activation here (supported: {sorted(ACTIVATIONS)})")
+    if spec.mlp.intermediate_size % TILE:
+        raise TTConstraintError(f"{where}: intermediate_size={spec.mlp.intermediate_size} is not a multiple of "
+                                f"the {TILE}-wide tile")
+    if a.softcap is not None:
+        raise TTConstraintError(f"{where}: attention logit softcap={a.softcap}: ttnn SDPA has no softcap argument")
+    if a.rope is not None and a.rope.kind == "dynamic":
+        raise TTConstraintError(f"{where}: dynamic NTK RoPE rescales at run time; TT rope tables are static")
+    if a.window is not None and a.window < 1:
+        raise TTConstraintError(f"{where}: sliding window {a.window} < 1")
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Raise for anything in the plan that TT cannot run, before any call is emitted."""
+    D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if D % TILE:
+        raise TTConstraintError(f"hidden_size={D} is not a multiple of the {TILE}-wide tile")
+    if d % TILE:
+        raise TTConstraintError(f"head_dim={d} is not a multiple of {TILE}: rotary_embedding_llama and the "
+                                f"head split work on whole 32-column tiles")
+    if H > MAX_HEADS or K > MAX_HEADS:
+        raise TTConstraintError(f"{H} query / {K} kv heads on one device: nlp_create_qkv_heads_decode pads heads "
+                                f"to {MAX_HEADS}; more need tensor parallelism, which this lowering does not do")
+    if cfg.norm not in ("rms", "rms_fp32", "gemma", "layernorm"):
+        raise TTConstraintError(f"final norm kind {cfg.norm!r}")
+    for i, spec in enumerate(cfg.layers):
+        check_layer(cfg, i, spec)
+
+
+def check_decode_batch(batch: int) -> None:
+    if not 1 <= batch <= MAX_DECODE_BATCH:
+        raise TTConstraintError(f"decode batch {batch}: one device decodes 1..{MAX_DECODE_BATCH} users "
+                                f"(one 32-row tile); use data parallelism for more")
+
+
+def check_topk(k: int, width: int) -> None:
+    if not 0 < k <= MAX_TOPK_K:
+        raise TTConstraintError(f"top-k k={k}: device sampling supports 0 < k <= {MAX_TOPK_K}")
+    if width > MAX_TOPK_WIDTH:
+        raise TTConstraintError(f"ttnn.topk over width {width} > {MAX_TOPK_WIDTH}: split the vocab into chunks")
+    if width % TILE:
+        raise TTConstraintError(f"ttnn.topk width {width} is not a multiple of {TILE}: pad (masked) first")
+
+
+def check_program(prog: TTProgram) -> None:
+    """Rules a ttnn call list must satisfy (each raises TTConstraintError with the call's index)."""
+    t = prog.tensors
+    for n, c in enumerate(prog.calls):
+        for name in c.refs() + list(c.outputs):
+            if name not in t:
+                raise TTConstraintError(f"call {n} ({c.op}) uses {name!r}, which has no tensor spec")
+        if c.op == "ttnn.experimental.paged_update_cache" and t[c.inputs[1]].dtype not in (BF16, F32):
+            raise TTConstraintError(f"call {n}: paged_update_cache input must be bfloat16 or float32 (the op "
+                                    f"repacks into the cache dtype), got {t[c.inputs[1]].dtype}")
+        if c.op == "ttnn.experimental.paged_fill_cache" and t[c.inputs[1]].dtype != t[c.inputs[0]].dtype:
+            raise TTConstraintError(f"call {n}: paged_fill_cache is a raw tile copy; input dtype "
+                                    f"{t[c.inputs[1]].dtype} != cache dtype {t[c.inputs[0]].dtype}")
+        if c.op == "ttnn.experimental.rotary_embedding_llama" and t[c.inputs[0]].dtype != BF16:
+            raise TTConstraintError(f"call {n}: rotary_embedding_llama needs bfloat16 input")
+        if c.op == "ttnn.transformer.scaled_dot_product_attention" and t[c.inputs[0]].shape[2] % PREFILL_MULTIPLE:
+            raise TTConstraintError(f"call {n}: prefill SDPA length {t[c.inputs[0]].shape[2]} is not a multiple "
+                                    f"of {PREFILL_MULTIPLE}")
+        if c.op == "ttnn.topk":
+            check_topk(c.kwargs["k"], t[c.inputs[0]].shape[-1])
+        for name in c.outputs:
+            s = t[name]
+            if s.layout == TILE_L and any(p % TILE for p in s.padded_shape[-2:] if p is not None):
+                raise TTConstraintError(f"call {n}: {name} padded shape {s.padded_shape} is not tile aligned")
+
+
+# ---------------------------------------------------------------------------------- builder
+class _Builder:
+    def __init__(self, cfg: ModelConfig, prec: Precision, mode: str):
+        self.cfg, self.prec, self.mode = cfg, prec, mode
+        self.calls: list[TTCall] = []
+        self.tensors: dict[str, TTTensorSpec] = {}
+        self.mem = DRAM if mode == "prefill" else L1_WIDTH
+
+    def tensor(self, name, shape, dtype, layout=TILE_L, memory=None, kind="activation"):
+        shape = tuple(shape)
+        padded = shape if layout == RM else shape[:-2] + tuple(None if s is None else _pad(s) for s in shape[-2:])
+        self.tensors[name] = TTTensorSpec(shape, padded, dtype, layout, memory or self.mem, kind)
+        return name
+
+    def call(self, op, inputs, kwargs, out, shape, dtype=BF16, layout=TILE_L, memory=None):
+        outs = (out,) if isinstance(out, str) else tuple(out)
+        shapes = (shape,) if isinstance(out, str) else shape
+        dtypes = (dtype,) * len(outs) if isinstance(dtype, str) else dtype
+        for o, s, dt in zip(outs, shapes, dtypes):
+            self.tensor(o, s, dt, layout, memory)
+        self.calls.append(TTCall(op, tuple(inputs), kwargs, outs))
+        return out
+
+    def weight(self, name, shape, dtype, layout=TILE_L):
+        if name not in self.tensors:
+            self.tensor(name, shape, dtype, layout, DRAM, "weight")
+        return name
+
+
+def _cc(op) -> dict:
+    return op.kwargs()
+
+
+def _norm(b: _Builder, x, w, kind, shape, out, eps):
+    """rms_norm or layer_norm (Cohere); Gemma's (1+w) is folded into w by weights.py."""
+    op = "ttnn.layer_norm" if kind == "layernorm" else "ttnn.rms_norm"
+    kw = {"epsilon": eps, "weight": Ref(w), "compute_kernel_config": _cc(b.prec.norm), "memory_config": b.mem}
+    return b.call(op, [x], kw, out, shape)
+
+
+def _linear(b: _Builder, x, w, out, shape, op_cfg, bias=None):
+    """ttnn.linear, bias added by a separate ttnn.add as tt_transformers does for DRAM-sharded matmuls."""
+    y = b.call("ttnn.linear", [x, w], {"dtype": BF16, "compute_kernel_config": _cc(op_cfg), "memory_config": b.mem},
+               out if bias is None else out + ".nobias", shape)
+    if bias is not None:
+        b.call("ttnn.add", [y, bias], {"memory_config": b.mem}, out, shape)
+    return out
+
+
+def _attention(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int, rope_name: dict) -> str:
+    cfg, prec, mode = b.cfg, b.prec, b.mode
+    a = spec.attention
+    D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    L = f"layers.{i}"
+    n = f"l{i}"
+    qkv_w = b.weight(f"{L}.wqkv", (1, 1, D, (H + 2 * K) * d), prec.wqkv)
+    bias = b.weight(f"{L}.bqkv", (1, 1, 1, (H + 2 * K) * d), BF16) if a.qkv_bias else None
+    xqkv = _linear(b, h, qkv_w, f"{n}.xqkv", (1, 1, rows, (H + 2 * K) * d), prec.li_qkv, bias)
+    if mode == "prefill":  # [1, heads, S, d]
+        shapes = ((1, H, rows, d), (1, K, rows, d), (1, K, rows, d))
+        b.call("ttnn.experimental.nlp_create_qkv_heads", [xqkv],
+               {"num_heads": H, "num_kv_heads": K, "transpose_k_heads": False, "memory_config": DRAM},
+               (f"{n}.q", f"{n}.k", f"{n}.v"), shapes)
+        per_head_w = lambda heads: (1, heads, 1, d)  # noqa: E731
+    else:  # [1, B, heads (padded to 32 in storage), d]
+        shapes = ((1, rows, H, d), (1, rows, K, d), (1, rows, K, d))
+        b.call("ttnn.experimental.nlp_create_qkv_heads_decode", [xqkv],
+               {"num_heads": H, "num_kv_heads": K, "memory_config": L1_HEIGHT},
+               (f"{n}.q", f"{n}.k", f"{n}.v"), shapes)
+        per_head_w = lambda heads: (1, 1, heads, d)  # noqa: E731
+    q, k, v = f"{n}.q", f"{n}.k", f"{n}.v"
+    if a.qk_norm:
+        for t, heads, wn in ((q, H, "q_norm"), (k, K, "k_norm")):
+            shape = b.tensors[t].shape
+            if a.qk_norm_per_head:  # one weight row per head: weightless norm, then a broadcast multiply
+                w = b.weight(f"{L}.{wn}", per_head_w(heads), BF16)
+                op = "ttnn.layer_norm" if a.qk_norm == "layernorm" else "ttnn.rms_norm"
+                y = b.call(op, [t], {"epsilon": cfg.norm_eps, "compute_kernel_config": _cc(prec.norm),
+                                     "memory_config": b.mem}, f"{t}.normed", shape)
+                b.call("ttnn.mul", [y, w], {"memory_config": b.mem}, f"{t}.n", shape)
+            else:
+                w = b.weight(f"{L}.{wn}", (1, 1, 1, d), BF16, RM)
+                _norm(b, t, w, a.qk_norm, shape, f"{t}.n", cfg.norm_eps)
+        q, k = f"{q}.n", f"{k}.n"
+    if a.rope is not None:
+        cos, sin = rope_name[a.rope]
+        for t in (q, k):
+            b.call("ttnn.experimental.rotary_embedding_llama", [t, cos, sin, "rope.trans_mat"],
+                   {"is_decode_mode": mode == "decode", "compute_kernel_config": _cc(prec.rope)},
+                   f"{t}.rot", b.tensors[t].shape)
+        q, k = f"{q}.rot", f"{k}.rot"
+    kc, vc = f"kv.{i}.k", f"kv.{i}.v"
+    scale = a.scale if a.scale is not None else d**-0.5
+    sdpa_kw = {"scale": scale, "sliding_window_size": a.window, "compute_kernel_config": _cc(prec.sdpa)}
+    if a.sinks:
+        sdpa_kw["attention_sink"] = Ref(b.weight(f"{L}.sinks", (1, 1, 1, H), BF16))
+    if mode == "prefill":
+        k8 = b.call("ttnn.typecast", [k], {"dtype": prec.kv_cache}, f"{n}.k8", b.tensors[k].shape, prec.kv_cache)
+        v8 = b.call("ttnn.typecast", [v], {"dtype": prec.kv_cache}, f"{n}.v8", b.tensors[v].shape, prec.kv_cache)
+        for c, t in ((kc, k8), (vc, v8)):
+            b.call("ttnn.experimental.paged_fill_cache", [c, t, "page_table"], {"batch_idx": 0}, (), ())
+        o = b.call("ttnn.transformer.scaled_dot_product_attention", [q, k8, v8],
+                   {"is_causal": True, **sdpa_kw}, f"{n}.attn", (1, H, rows, d))
+        o = b.call("ttnn.experimental.nlp_concat_heads", [o], {"memory_config": DRAM}, f"{n}.concat",
+                   (1, 1, rows, H * d))
+    else:
+        for c, t in ((kc, k), (vc, v)):
+            b.call("ttnn.experimental.paged_update_cache", [c, t],
+                   {"update_idxs_tensor": Ref("cur_pos"), "page_table": Ref("page_table")}, (), ())
+        o = b.call("ttnn.transformer.paged_scaled_dot_product_attention_decode", [q, kc, vc],
+                   {"page_table_tensor": Ref("page_table"), "cur_pos_tensor": Ref("cur_pos"), **sdpa_kw,
+                    "memory_config": L1_HEIGHT}, f"{n}.attn", (1, rows, H, d))
+        o = b.call("ttnn.experimental.nlp_concat_heads_decode", [o], {"num_heads": H}, f"{n}.concat",
+                   (1, 1, rows, H * d))
+    wo = b.weight(f"{L}.wo", (1, 1, H * d, D), prec.wo)
+    bo = b.weight(f"{L}.bo", (1, 1, 1, D), BF16) if a.out_bias else None
+    return _linear(b, o, wo, f"{n}.attn_out", (1, 1, rows, D), prec.li_o, bo)
+
+
+def _mlp(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
+    cfg, prec, m = b.cfg, b.prec, spec.mlp
+    D, I = cfg.hidden_size, m.intermediate_size
+    L, n = f"layers.{i}", f"l{i}"
+    bias = lambda name, width: b.weight(f"{L}.{name}", (1, 1, 1, width), BF16) if m.bias else None  # noqa: E731
+    w1 = _linear(b, h, b.weight(f"{L}.w1", (1, 1, D, I), prec.ff1_3), f"{n}.w1", (1, 1, rows, I), prec.li_ff1_3,
+                 bias("b1", I))
+    w3 = _linear(b, h, b.weight(f"{L}.w3", (1, 1, D, I), prec.ff1_3), f"{n}.w3", (1, 1, rows, I), prec.li_ff1_3,
+                 bias("b3", I))
+    g = b.call("ttnn.mul", [w1, w3], {"input_tensor_a_activations": [ACTIVATIONS[m.activation]],
+                                      "dtype": BF16, "memory_config": b.mem}, f"{n}.gated", (1, 1, rows, I))
+    return _linear(b, g, b.weight(f"{L}.w2", (1, 1, I, D), prec.ff2), f"{n}.mlp_out", (1, 1, rows, D),
+                   prec.li_ff2, bias("b2", D))
+
+
+def _layer(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: dict) -> str:
+    cfg = b.cfg
+    D, eps, L, n = cfg.hidden_size, cfg.norm_eps, f"layers.{i}", f"l{i}"
+    shape = (1, 1, rows, D)
+    nw = lambda name: b.weight(f"{L}.{name}", (1, 1, 1, D), BF16, RM)  # noqa: E731
+    norm = lambda t, name, out: _norm(b, t, nw(name), spec.norm, shape, out, eps)  # noqa: E731
+    add = lambda p, q, out: b.call("ttnn.add", [p, q], {"memory_config": b.mem}, out, shape)  # noqa: E731
+    h = x if spec.block == "post" else norm(x, "attn_norm", f"{n}.h")
+    att = _attention(b, i, spec, h, rows, rope_name)
+    if spec.block == "parallel":  # Cohere: attention and MLP read the same normed input
+        y = _mlp(b, i, spec, h, rows)
+        x = add(add(x, att, f"{n}.x_attn"), y, f"{n}.out")
+    elif spec.block == "pre":
+        x = add(x, att, f"{n}.x_attn")
+        x = add(x, _mlp(b, i, spec, norm(x, "mlp_norm", f"{n}.h2"), rows), f"{n}.out")
+    elif spec.block == "sandwich":  # Gemma: norms before and after each sublayer
+        x = add(x, norm(att, "post_attn_norm", f"{n}.att_n"), f"{n}.x_attn")
+        y = _mlp(b, i, spec, norm(x, "mlp_norm", f"{n}.h2"), rows)
+        x = add(x, norm(y, "post_mlp_norm", f"{n}.mlp_n"), f"{n}.out")
+    else:  # post (EXAONE): norms on the sublayer outputs only
+        x = add(x, norm(att, "post_attn_norm", f"{n}.att_n"), f"{n}.x_attn")
+        y = _mlp(b, i, spec, x, rows)
+        x = add(x, norm(y, "post_mlp_norm", f"{n}.mlp_n"), f"{n}.out")
+    return x
+
+
+def _program(cfg: ModelConfig, prec: Precision, mode: str, rows: int, max_seq_len: int, block_size: int,
+             page_table_width: int) -> TTProgram:
+    b = _Builder(cfg, prec, mode)
+    D, V, K, d = cfg.hidden_size, cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim
+    users = 1 if mode == "prefill" else rows
+    inputs = [b.tensor("tokens", (1, rows), U32, RM, DRAM, "input"),
+              b.tensor("rope_pos", (1, rows), U32, RM, DRAM, "input"),
+              b.tensor("page_table", (users, page_table_width), I32, RM, DRAM, "input")]
+    if mode == "decode":
+        inputs.append(b.tensor("cur_pos", (rows,), I32, RM, DRAM, "input"))
+    for i in range(cfg.num_layers):
+        for kv in "kv":
+            b.tensor(f"kv.{i}.{kv}", (None, K, block_size, d), prec.kv_cache, TILE_L, DRAM, "state")
+    # rope: cos/sin looked up per position with ttnn.embedding, then shaped for the op's mode
+    rope_name = {}
+    for name, r in rope_specs(cfg).items():
+        pair = []
+        for cs in ("cos", "sin"):
+            tab = b.weight(f"{name}.{cs}", (max_seq_len, d), BF16, RM)
+            e = b.call("ttnn.embedding", ["rope_pos", tab], {"layout": TILE_L, "dtype": BF16}, f"{name}.{cs}.rows",
+                       (1, rows, d))
+            shape = [1, rows, 1, d] if mode == "decode" else [1, 1, rows, d]
+            pair.append(b.call("ttnn.reshape", [e], {"shape": shape}, f"{name}.{cs}.m", tuple(shape)))
+        rope_name[r] = tuple(pair)
+    if any(s.attention.rope is not None for s in cfg.layers):
+        b.weight("rope.trans_mat", (1, 1, TILE, TILE), BF16)
+    emb = b.weight("embed", (V, D), BF16, RM)
+    x = b.call("ttnn.embedding", ["tokens", emb], {"layout": TILE_L, "dtype": BF16}, "embed.rows", (1, rows, D))
+    x = b.call("ttnn.reshape", [x], {"shape": [1, 1, rows, D]}, "x0", (1, 1, rows, D))
+    if cfg.embed_scale is not None:
+        x = b.call("ttnn.mul", [x], {"input_tensor_b": float(cfg.embed_scale), "memory_config": b.mem}, "x0.scaled",
+                   (1, 1, rows, D))
+    for i, spec in enumerate(cfg.layers):
+        x = _layer(b, i, spec, x, rows, rope_name)
+    fw = b.weight("final_norm", (1, 1, 1, D), BF16, RM)
+    h = _norm(b, x, fw, cfg.norm, (1, 1, rows, D), "final.h", cfg.norm_eps)
+    head = b.weight("lm_head", (1, 1, D, V), prec.lm_head)
+    out = b.call("ttnn.linear", [h, head], {"dtype": BF16, "compute_kernel_config": _cc(prec.lm_head_op),
+                                            "memory_config": b.mem}, "logits.raw", (1, 1, rows, V))
+    if cfg.logit_scale is not None:
+        out = b.call("ttnn.mul", [out], {"input_tensor_b": float(cfg.logit_scale), "memory_config": b.mem},
+                     "logits.scaled", (1, 1, rows, V))
+    if cfg.final_softcap is not None:  # cap * tanh(x / cap)
+        c = float(cfg.final_softcap)
+        out = b.call("ttnn.mul", [out], {"input_tensor_b": 1.0 / c, "memory_config": b.mem}, "logits.div", (1, 1, rows, V))
+        out = b.call("ttnn.tanh", [out], {"memory_config": b.mem}, "logits.tanh", (1, 1, rows, V))
+        out = b.call("ttnn.mul", [out], {"input_tensor_b": c, "memory_config": b.mem}, "logits.capped", (1, 1, rows, V))
+    prog = TTProgram(mode, b.calls, b.tensors, tuple(inputs), (out,),
+                     {"rows": rows, "block_size": block_size, "page_table_width": page_table_width,
+                      "layer_outputs": [f"l{i}.out" for i in range(cfg.num_layers)]})
+    check_program(prog)
+    return prog
+
+
+def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int = MAX_DECODE_BATCH,
+          max_seq_len: int = 8192, block_size: int = 32, policy: str | Precision = "performance") -> TTModelProgram:
+    """The prefill program for a prompt of `prefill_len` tokens (padded to a multiple of 128) and
+    the decode program for `batch` users, over paged caches of `block_size`-token blocks and
+    page tables wide enough for `max_seq_len` positions."""
+    check_config(cfg)
+    check_decode_batch(batch)
+    if block_size % TILE:
+        raise TTConstraintError(f"block_size={block_size} is not a multiple of {TILE}")
+    prec = get_policy(policy)
+    S = padded_prefill_len(prefill_len)
+    if S > max_seq_len:
+        raise TTConstraintError(f"prefill of {S} (padded) tokens exceeds max_seq_len={max_seq_len}")
+    width = math.ceil(max_seq_len / block_size)
+    return TTModelProgram(
+        prefill=_program(cfg, prec, "prefill", S, max_seq_len, block_size, width),
+        decode=_program(cfg, prec, "decode", batch, max_seq_len, block_size, width),
+        meta={"family": cfg.family, "policy": prec.name, "max_seq_len": max_seq_len, "block_size": block_size,
+              "num_layers": cfg.num_layers, "kv_cache": {"shape": [None, cfg.num_kv_heads, block_size, cfg.head_dim],
+                                                         "dtype": prec.kv_cache},
+              "sliding_window": [s.attention.window for s in cfg.layers]},
+    )
