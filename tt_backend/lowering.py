@@ -199,19 +199,19 @@ def _attention(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int, rope_nam
         b.call("ttnn.experimental.nlp_create_qkv_heads", [xqkv],
                {"num_heads": H, "num_kv_heads": K, "transpose_k_heads": False, "memory_config": DRAM},
                (f"{n}.q", f"{n}.k", f"{n}.v"), shapes)
-        per_head_w = lambda heads: (1, heads, 1, d)  # noqa: E731
     else:  # [1, B, heads (padded to 32 in storage), d]
         shapes = ((1, rows, H, d), (1, rows, K, d), (1, rows, K, d))
         b.call("ttnn.experimental.nlp_create_qkv_heads_decode", [xqkv],
                {"num_heads": H, "num_kv_heads": K, "memory_config": L1_HEIGHT},
                (f"{n}.q", f"{n}.k", f"{n}.v"), shapes)
-        per_head_w = lambda heads: (1, 1, heads, d)  # noqa: E731
     q, k, v = f"{n}.q", f"{n}.k", f"{n}.v"
     if a.qk_norm:
         for t, heads, wn in ((q, H, "q_norm"), (k, K, "k_norm")):
             shape = b.tensors[t].shape
             if a.qk_norm_per_head:  # one weight row per head: weightless norm, then a broadcast multiply
-                w = b.weight(f"{L}.{wn}", per_head_w(heads), BF16)
+                w = b.weight(f"{L}.{wn}", (1, heads, 1, d), BF16)
+                if mode == "decode":  # decode heads sit in dim 2
+                    w = b.call("ttnn.reshape", [w], {"shape": [1, 1, heads, d]}, f"{t}.{wn}_w", (1, 1, heads, d))
                 op = "ttnn.layer_norm" if a.qk_norm == "layernorm" else "ttnn.rms_norm"
                 y = b.call(op, [t], {"epsilon": cfg.norm_eps, "compute_kernel_config": _cc(prec.norm),
                                      "memory_config": b.mem}, f"{t}.normed", shape)
