@@ -1,0 +1,280 @@
+"""DeepSeek V4/V4.1 quantized weights <-> float arrays (NumPy + ml_dtypes), exactly as the references decode them.
+
+Spec: specs/deepseek_v4.md §10.2.
+- FP8 dense: `W[o,i] = f32(e4m3) * 2^(S[o//Bo, i//Bi] - 127)`, scale grid `[ceil(O/Bo), ceil(I/Bi)]`
+  (32x32 in V4.1, 128x128 in V4).
+- FP4 experts: int8 `[O, I/2]`, low nibble = element 2k, high = 2k+1, e2m1 with the sign in bit 3, one
+  E8M0 per row per 32 along I.
+- Engram tables: per row, one E8M0 per 32 channels.
+- `wo_a`: dequantised to bf16 at load (CONV41).
+
+E8M0 is read as raw bytes, never numerically cast: a numeric cast of a float8_e8m0fnu tensor (torch `copy_`,
+`np.asarray(x, np.uint8)`) turns 2^-7 into 0 (spec §10.2 "E8M0 loading trap"). `safetensors.numpy` cannot
+return F8_* tensors at all (it looks for `numpy.float8_*`), hence `read_safetensors_tensor` /
+`write_safetensors` here, which move the raw bytes.
+
+All decoders are exact: an e4m3 or e2m1 value times a power of two is representable in float32 (and in
+bfloat16, which has the same exponent range and >= the 3 mantissa bits of e4m3), so no rounding happens.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+E4M3 = ml_dtypes.float8_e4m3fn
+E8M0 = ml_dtypes.float8_e8m0fnu
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+# e2m1 code -> value (bit 3 = sign); same table as converters/quant.py FP4_VALUES and CONV41 FP4_TABLE
+FP4_TABLE = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _is_torch(a) -> bool:
+    return type(a).__module__.startswith("torch")
+
+
+def e8m0_bytes(scale, name: str = "scale") -> np.ndarray:
+    """Raw E8M0 exponent bytes (uint8) from uint8 / int8 / ml_dtypes.float8_e8m0fnu / torch float8_e8m0fnu."""
+    if _is_torch(scale):
+        import torch
+
+        if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.int8):
+            raise TypeError(f"{name}: E8M0 scales must be float8_e8m0fnu or raw (u)int8 bytes, got torch {scale.dtype}")
+        return scale.contiguous().view(torch.uint8).numpy()
+    a = np.asarray(scale)
+    if a.dtype == E8M0 or a.dtype in (np.uint8, np.int8):
+        return np.ascontiguousarray(a).view(np.uint8)  # a view, never a numeric cast
+    raise TypeError(f"{name}: E8M0 scales must be float8_e8m0fnu or raw (u)int8 bytes, got {a.dtype} "
+                    "(a numeric array would be ambiguous: exponent bytes or scale values?)")
+
+
+def e4m3_array(w, name: str = "weight") -> np.ndarray:
+    """ml_dtypes.float8_e4m3fn view of e4m3 data given as float8_e4m3fn (NumPy or torch) or raw (u)int8 bytes."""
+    if _is_torch(w):
+        import torch
+
+        if w.dtype not in (torch.float8_e4m3fn, torch.uint8, torch.int8):
+            raise TypeError(f"{name}: FP8 weights must be float8_e4m3fn or raw (u)int8 bytes, got torch {w.dtype}")
+        return w.contiguous().view(torch.uint8).numpy().view(E4M3)
+    a = np.asarray(w)
+    if a.dtype == E4M3:
+        return a
+    if a.dtype in (np.uint8, np.int8):
+        return np.ascontiguousarray(a).view(E4M3)
+    raise TypeError(f"{name}: FP8 weights must be float8_e4m3fn or raw (u)int8 bytes, got {a.dtype}")
+
+
+def packed_fp4_bytes(w, name: str = "weight") -> np.ndarray:
+    """uint8 view of packed FP4 (checkpoint I8, torch float4_e2m1fn_x2, or uint8)."""
+    if _is_torch(w):
+        import torch
+
+        return w.contiguous().view(torch.uint8).numpy()
+    a = np.asarray(w)
+    if a.dtype not in (np.uint8, np.int8):
+        raise TypeError(f"{name}: packed FP4 must be (u)int8 bytes, got {a.dtype}")
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def e8m0_to_float(scale, name: str = "scale") -> np.ndarray:
+    """2^(byte - 127) as float32 (byte 0 = 2^-127, a float32 subnormal; byte 255 = NaN)."""
+    b = e8m0_bytes(scale, name)
+    v = np.ldexp(np.float32(1.0), b.astype(np.int32) - 127).astype(np.float32)
+    return np.where(b == 255, np.float32(np.nan), v)
+
+
+def _blocks(block) -> tuple[int, int]:
+    bo, bi = (block, block) if isinstance(block, (int, np.integer)) else tuple(block)
+    if bo <= 0 or bi <= 0:
+        raise ValueError(f"block sizes must be positive, got {block}")
+    return int(bo), int(bi)
+
+
+def _expand_grid(s: np.ndarray, bo: int, bi: int, o: int, i: int) -> np.ndarray:
+    """Per-block scale grid [..., ceil(O/bo), ceil(I/bi)] -> per-element [..., O, I]."""
+    return np.repeat(np.repeat(s, bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
+
+
+def dequant_fp8_blocks(w_e4m3, scale_e8m0, block=32, name: str = "weight") -> np.ndarray:
+    """Block-scaled FP8 [..., O, I] + E8M0 grid [..., ceil(O/Bo), ceil(I/Bi)] -> float32 [..., O, I].
+
+    `block` is an int (square blocks) or (Bo, Bi): 32 for V4.1, 128 for V4.
+    """
+    w = e4m3_array(w_e4m3, name)
+    bo, bi = _blocks(block)
+    if w.ndim < 2:
+        raise ValueError(f"{name}: FP8 weight must be at least 2-D [O, I], got shape {w.shape}")
+    b = e8m0_bytes(scale_e8m0, name + ".scale")
+    *lead, o, i = w.shape
+    want = (*lead, -(-o // bo), -(-i // bi))
+    if b.shape != want:
+        raise ValueError(f"{name}: scale shape {b.shape} does not match weight {w.shape} with {bo}x{bi} blocks "
+                         f"(expected {want})")
+    return w.astype(np.float32) * _expand_grid(e8m0_to_float(b), bo, bi, o, i)
+
+
+def dequant_fp4_experts(packed, scale_e8m0, block: int = 32, name: str = "weight") -> np.ndarray:
+    """MXFP4 [..., O, I/2] (low nibble = element 2k) + E8M0 [..., O, I/32] -> float32 [..., O, I]."""
+    p = packed_fp4_bytes(packed, name)
+    b = e8m0_bytes(scale_e8m0, name + ".scale")
+    if p.ndim < 2:
+        raise ValueError(f"{name}: packed FP4 weight must be at least 2-D [O, I/2], got shape {p.shape}")
+    *lead, o, half = p.shape
+    i = 2 * half
+    if i % block:
+        raise ValueError(f"{name}: FP4 row length {i} is not a multiple of the scale block {block}")
+    if b.shape != (*lead, o, i // block):
+        raise ValueError(f"{name}: scale shape {b.shape} does not match packed weight {p.shape} "
+                         f"(expected {(*lead, o, i // block)}: one scale per {block} of {i} values)")
+    codes = np.stack([p & 0x0F, p >> 4], axis=-1).reshape(*lead, o, i)
+    return FP4_TABLE[codes] * np.repeat(e8m0_to_float(b), block, axis=-1)
+
+
+def dequant_fp8_rows(table_e4m3, scale_e8m0, block: int = 32, name: str = "engram.embed") -> np.ndarray:
+    """Engram table: FP8 [R, C] + E8M0 [R, C/32] (per row, per 32 channels) -> float32 [R, C]."""
+    w = e4m3_array(table_e4m3, name)
+    b = e8m0_bytes(scale_e8m0, name + ".scale")
+    if w.ndim != 2 or w.shape[1] % block:
+        raise ValueError(f"{name}: table must be [R, C] with C a multiple of {block}, got {w.shape}")
+    if b.shape != (w.shape[0], w.shape[1] // block):
+        raise ValueError(f"{name}: scale shape {b.shape} does not match table {w.shape} "
+                         f"(expected {(w.shape[0], w.shape[1] // block)})")
+    return w.astype(np.float32) * np.repeat(e8m0_to_float(b), block, axis=-1)
+
+
+def dequant_wo_a(w_e4m3, scale_e8m0, block: int = 32, name: str = "attn.wo_a") -> np.ndarray:
+    """`wo_a` as CONV41 writes it: bf16(W.reshape(O/B, B, I/B, B).f32 * S[:, None, :, None]) -> bfloat16 [O, I]."""
+    w = e4m3_array(w_e4m3, name)
+    b = e8m0_bytes(scale_e8m0, name + ".scale")
+    if w.ndim != 2 or w.shape[0] % block or w.shape[1] % block:
+        raise ValueError(f"{name}: wo_a must be [O, I] with both multiples of {block}, got {w.shape}")
+    o, i = w.shape
+    if b.shape != (o // block, i // block):
+        raise ValueError(f"{name}: scale shape {b.shape} does not match {w.shape} (expected {(o // block, i // block)})")
+    s = e8m0_to_float(b)
+    y = w.astype(np.float32).reshape(o // block, block, i // block, block) * s[:, None, :, None]
+    return y.reshape(o, i).astype(ml_dtypes.bfloat16)
+
+
+# ---- encoders (tests, writing DeepSeek-layout checkpoints) ----
+
+def _pow2_exponent(amax: np.ndarray, qmax: float) -> np.ndarray:
+    """Smallest integer e with qmax * 2^e >= amax (amax > 0), clipped to the E8M0 range [-127, 127]."""
+    a = amax.astype(np.float64)
+    e = np.ceil(np.log2(a / qmax)).astype(np.int64)
+    e = np.where(np.ldexp(qmax, e - 1) >= a, e - 1, e)  # log2 rounding can be one off either way
+    e = np.where(np.ldexp(qmax, e) < a, e + 1, e)
+    return np.clip(e, -127, 127)
+
+
+def e2m1_codes(v) -> np.ndarray:
+    """float values already in [-6, 6] (in units of the scale) -> 4-bit e2m1 codes, round-to-nearest-even."""
+    v = np.asarray(v, np.float32)
+    grid = FP4_TABLE[:8]
+    mag = np.abs(v)[..., None]
+    mids = (grid[1:] + grid[:-1]) / 2  # 0.25 .. 5: exact in float32
+    tie_up = np.array([False, True, False, True, False, True, False])  # ties go to the even code
+    code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
+    return (code.astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 3)).astype(np.uint8)
+
+
+def quantize_fp8_blocks(w, block=32) -> tuple[np.ndarray, np.ndarray]:
+    """float [..., O, I] -> (float8_e4m3fn [..., O, I], E8M0 bytes uint8 [..., ceil(O/Bo), ceil(I/Bi)]).
+
+    Each block's scale is the smallest power of two that puts its amax within +-448 (an all-zero block
+    gets 2^0); values are rounded to nearest even. Decoding with `dequant_fp8_blocks` gives the e4m3
+    rounding of w.
+    """
+    w = np.asarray(w, np.float32)
+    bo, bi = _blocks(block)
+    *lead, o, i = w.shape
+    go, gi = -(-o // bo), -(-i // bi)
+    pad = np.zeros((*lead, go * bo, gi * bi), np.float32)
+    pad[..., :o, :i] = w
+    amax = np.abs(pad.reshape(*lead, go, bo, gi, bi)).max(axis=(-3, -1))
+    e = np.where(amax > 0, _pow2_exponent(np.where(amax > 0, amax, 1), FP8_MAX), 0)
+    s = np.ldexp(np.float32(1), e.astype(np.int32)).astype(np.float32)
+    q = np.clip(w / _expand_grid(s, bo, bi, o, i), -FP8_MAX, FP8_MAX).astype(E4M3)
+    return q, (e + 127).astype(np.uint8)
+
+
+def quantize_fp4_experts(w, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """float [..., O, I] -> (packed int8 [..., O, I/2], low nibble = element 2k; E8M0 bytes uint8 [..., O, I/32])."""
+    w = np.asarray(w, np.float32)
+    *lead, o, i = w.shape
+    if i % block or i % 2:
+        raise ValueError(f"FP4 row length {i} must be a multiple of the block {block}")
+    g = w.reshape(*lead, o, i // block, block)
+    amax = np.abs(g).max(-1)
+    e = np.where(amax > 0, _pow2_exponent(np.where(amax > 0, amax, 1), FP4_MAX), 0)
+    s = np.ldexp(np.float32(1), e.astype(np.int32)).astype(np.float32)
+    codes = e2m1_codes(np.clip(g / s[..., None], -FP4_MAX, FP4_MAX)).reshape(*lead, o, i)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.astype(np.uint8).view(np.int8), (e + 127).astype(np.uint8)
+
+
+# ---- raw safetensors I/O for the F8 dtypes safetensors.numpy cannot handle ----
+
+_ST_DTYPES = {
+    "F8_E4M3": E4M3, "F8_E8M0": np.uint8,  # E8M0 comes back as raw bytes, see the module docstring
+    "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+    "I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_,
+}
+_NP_TO_ST = {np.dtype(E4M3): "F8_E4M3", np.dtype(E8M0): "F8_E8M0", np.dtype(ml_dtypes.bfloat16): "BF16",
+             np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
+             np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.int16): "I16",
+             np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(np.bool_): "BOOL"}
+
+
+def read_safetensors_header(path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def read_safetensors_tensor(path, name: str) -> np.ndarray:
+    """One tensor, memory-mapped and copied; F8_E4M3 -> float8_e4m3fn, F8_E8M0 -> raw uint8 bytes."""
+    header, base = read_safetensors_header(path)
+    if name not in header:
+        raise KeyError(f"{path}: no tensor {name!r}")
+    meta = header[name]
+    if meta["dtype"] not in _ST_DTYPES:
+        raise TypeError(f"{path}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+    dt = np.dtype(_ST_DTYPES[meta["dtype"]])
+    a, b = meta["data_offsets"]
+    shape = tuple(meta["shape"])
+    if b - a != math.prod(shape) * dt.itemsize:
+        raise ValueError(f"{path}: tensor {name!r} holds {b - a} bytes, shape {shape} {meta['dtype']} needs "
+                         f"{math.prod(shape) * dt.itemsize}")
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=base + a, shape=(b - a,)) if b > a else np.zeros(0, np.uint8)
+    return np.array(mm).view(dt).reshape(shape)
+
+
+def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
+    """Write NumPy arrays (incl. ml_dtypes float8_e4m3fn / float8_e8m0fnu / bfloat16) as a safetensors file."""
+    header, offset, chunks = {}, 0, []
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype not in _NP_TO_ST:
+            raise TypeError(f"{name}: cannot write dtype {arr.dtype} to safetensors")
+        data = arr.tobytes()
+        header[name] = {"dtype": _NP_TO_ST[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for c in chunks:
+            f.write(c)
+    tmp.replace(path)

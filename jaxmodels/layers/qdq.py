@@ -1,0 +1,207 @@
+"""DeepSeek V4.1's simulated quantisation (QDQ) and block-scaled quantized matmuls, in jit-able JAX.
+
+Spec: specs/deepseek_v4.md §2, §12 trap 9. The code follows REF41-ker (tenstorrent/tt-metal
+`models/demos/deepseek_v3_d_p/reference/deepseek_v41/kernel_cpu.py`, a bit-exact torch port of the upstream
+tilelang kernels, `K41:<line>` = upstream kernel.py) operation for operation:
+
+- `act_quant_fp8` (K41:41-113): amax over blocks of 32 in fp32 floored at 1e-4; scale = pow2ceil(amax * fp32(1/448))
+  (a multiply by the float32 reciprocal, not a division); q = e4m3 round-to-nearest-even of clamp(x / s, +-448).
+- `fp4_act_quant` (K41:116-199): e8m0 scales: amax floored at 6*2^-126, s = pow2ceil(amax * fp32(1/6));
+  e4m3 scales: amax floored at 6*2^-9, s = e4m3(amax / 6) (a true division here, as in the kernel);
+  then v = clamp(x / s, +-6), e2m1 round-to-nearest-even (ties to the even code), output e2m1(v) * s.
+
+Rounding is done explicitly (grid step from the fp32 exponent, `round` half-to-even), not by a float8 convert,
+so the result does not depend on how a backend implements f32->f8 conversion. Divisions by a power-of-two
+scale are exact, so only the e4m3-scale path divides inexactly; there the division is shielded from XLA's
+rewrite into a multiply by the reciprocal (which rounds twice and changed e2m1 ties in testing).
+
+Known limit: XLA:CPU flushes float32 subnormals to zero. Inputs whose magnitude is below 2^-126 (bf16/fp32
+subnormals) can therefore differ from the torch kernel in the e8m0 FP4 path, and E8M0 scale bytes below
+~10 (scales under 2^-117) can flush dequantised weights. Real activations and checkpoints stay far from both.
+
+Keep-quantized matmuls (`fp8_block_matmul`, `fp4_matmul`) hold the weight as stored ([O, I] e4m3 or packed
+e2m1, E8M0 bytes as uint8) and dequantise inside the jitted computation. An e4m3 or e2m1 value times a power
+of two is exactly representable in bf16 as well as fp32, so dequantising to the compute dtype loses nothing
+and the result equals dequant-then-matmul.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+F32 = jnp.float32
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+# the kernels multiply by the reciprocal rounded to float32 (K41:47,138)
+FP8_MAX_INV = np.float32(1.0 / FP8_MAX)
+FP4_MAX_INV = np.float32(1.0 / FP4_MAX)
+ACT_AMAX_FLOOR = 1e-4
+FP4_E8M0_AMAX_FLOOR = 6 * 2.0 ** -126
+FP4_E4M3_AMAX_FLOOR = 6 * 2.0 ** -9
+# e2m1 code -> value, bit 3 = sign (CONV41 FP4_TABLE)
+FP4_TABLE = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+_E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_UP = (False, True, False, True, False, True, False)  # a tie rounds up only onto an even code
+
+
+def _bits(x):
+    return lax.bitcast_convert_type(x.astype(F32), jnp.int32)
+
+
+def _from_bits(b):
+    return lax.bitcast_convert_type(b.astype(jnp.int32), F32)
+
+
+def pow2ceil(x):
+    """2^ceil(log2 x) from the fp32 bits, as `fast_round_scale` (K41:22-38): exponent + (mantissa != 0)."""
+    b = _bits(x)
+    e = ((b >> 23) & 0xFF) - 127 + ((b & 0x7FFFFF) != 0).astype(jnp.int32)
+    return _from_bits((e + 127) << 23)
+
+
+def e8m0_byte(s):
+    """Power-of-two fp32 scale -> its E8M0 byte (uint8)."""
+    return ((_bits(s) >> 23) & 0xFF).astype(jnp.uint8)
+
+
+def e8m0_to_f32(b):
+    """E8M0 bytes (uint8) -> 2^(b-127) in fp32; byte 0 is the subnormal 2^-127, byte 255 NaN."""
+    b = b.astype(jnp.int32)
+    return _from_bits(jnp.where(b == 0, 0x00400000, jnp.where(b == 255, 0x7FC00000, b << 23)))
+
+
+def e4m3_rne(v):
+    """fp32 values with |v| <= 448 -> the nearest e4m3fn value (ties to even), still as fp32.
+
+    The e4m3 step is 2^(floor(log2|v|) - 3) for normal values and 2^-9 below 2^-6; v / step is exact.
+    """
+    e = jnp.maximum(((_bits(v) >> 23) & 0xFF) - 127, -6)
+    step = _from_bits((e - 3 + 127) << 23)
+    return jnp.round(v / step) * step  # jnp.round is half-to-even
+
+
+def e2m1_codes(v):
+    """fp32 values in [-6, 6] -> 4-bit e2m1 codes (uint8, bit 3 = sign), round-to-nearest-even (as REF41-ker)."""
+    mag = jnp.abs(v)
+    code = jnp.zeros(v.shape, jnp.int32)
+    for mid, up in zip(_E2M1_MIDS, _E2M1_TIE_UP):
+        code = code + (mag > mid) + ((mag == mid) & up)
+    return (code | (jnp.signbit(v).astype(jnp.int32) << 3)).astype(jnp.uint8)
+
+
+def _ieee_div(a, b):
+    """a / b rounded once, as IEEE division. XLA rewrites `a / broadcast(b)` and `a / constant` into
+    `a * (1/b)`, which rounds twice; the barrier hides the broadcast from that rewrite. (Divisions by a
+    power of two are left to the rewrite: their reciprocal is exact.)"""
+    return a / lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, F32), a.shape))
+
+
+def _blocked(x, block):
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"last dim {n} is not a multiple of the quantisation block {block}")
+    return x.astype(F32).reshape(*x.shape[:-1], n // block, block)
+
+
+def act_quant_fp8(x, block: int = 32, return_scale: bool = False):
+    """FP8 e4m3 QDQ along the last dim in blocks of `block`, UE8M0 (power-of-two) scales.
+
+    Default: the QDQ'd values in x.dtype (the kernel's `inplace=True`: bf16(fp32(q) * s)).
+    return_scale=True: (q float8_e4m3fn [..., N], s fp32 [..., N/block]) (the kernel's non-inplace result;
+    `e8m0_byte(s)` gives the scale bytes).
+    """
+    xg = _blocked(x, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), np.float32(ACT_AMAX_FLOOR))
+    s = pow2ceil(amax * FP8_MAX_INV)
+    q = e4m3_rne(jnp.clip(xg / s[..., None], -FP8_MAX, FP8_MAX))
+    if return_scale:
+        return q.astype(jnp.float8_e4m3fn).reshape(x.shape), s
+    return (q * s[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+def fp4_act_quant(x, block: int = 32, scale_fmt: str = "e8m0", return_codes: bool = False):
+    """FP4 e2m1 QDQ along the last dim in blocks of `block`.
+
+    scale_fmt "e8m0": power-of-two scales (indexer q/k, block 32); "e4m3": e4m3 scales (compressed KV, block 16).
+    Default: QDQ'd values in x.dtype. return_codes=True: (codes uint8 [..., N] unpacked, s fp32 [..., N/block]).
+    """
+    xg = _blocked(x, block)
+    amax = jnp.max(jnp.abs(xg), axis=-1)
+    if scale_fmt == "e4m3":
+        amax = jnp.maximum(amax, np.float32(FP4_E4M3_AMAX_FLOOR))  # K41:158-161
+        s = e4m3_rne(jnp.clip(_ieee_div(amax, np.float32(FP4_MAX)), -FP8_MAX, FP8_MAX))
+    elif scale_fmt == "e8m0":
+        amax = jnp.maximum(amax, np.float32(FP4_E8M0_AMAX_FLOOR))  # K41:163-164
+        s = pow2ceil(amax * FP4_MAX_INV)
+    else:
+        raise ValueError(f"scale_fmt must be 'e8m0' or 'e4m3', got {scale_fmt!r}")
+    v = _ieee_div(xg, s[..., None]) if scale_fmt == "e4m3" else xg / s[..., None]  # e8m0: exact either way
+    codes = e2m1_codes(jnp.clip(v, -FP4_MAX, FP4_MAX))
+    if return_codes:
+        return codes.reshape(x.shape), s
+    return (jnp.asarray(FP4_TABLE)[codes] * s[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+# ---- weights kept quantized in the params ----
+
+def _as_u8(b):
+    return lax.bitcast_convert_type(b, jnp.uint8) if b.dtype == jnp.int8 else b.astype(jnp.uint8)
+
+
+def _block_pair(block):
+    return (block, block) if isinstance(block, int) else tuple(block)
+
+
+def dequant_fp8(w_q, w_scale, block=32, dtype=F32):
+    """e4m3 [O, I] (float8_e4m3fn) + E8M0 bytes [ceil(O/Bo), ceil(I/Bi)] (uint8) -> dtype [O, I] (exact)."""
+    bo, bi = _block_pair(block)
+    o, i = w_q.shape[-2:]
+    want = (*w_q.shape[:-2], -(-o // bo), -(-i // bi))
+    if tuple(w_scale.shape) != want:
+        raise ValueError(f"FP8 scale shape {tuple(w_scale.shape)} does not match weight {tuple(w_q.shape)} "
+                         f"with {bo}x{bi} blocks (expected {want})")
+    s = e8m0_to_f32(_as_u8(w_scale))
+    s = jnp.repeat(jnp.repeat(s, bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
+    return (w_q.astype(F32) * s).astype(dtype)
+
+
+def dequant_fp4(w_packed, w_scale, block: int = 32, dtype=F32):
+    """Packed e2m1 [O, I/2] (uint8/int8, low nibble = element 2k) + E8M0 bytes [O, I/block] -> dtype [O, I]."""
+    b = _as_u8(w_packed)
+    *lead, o, half = b.shape
+    if tuple(w_scale.shape) != (*lead, o, 2 * half // block) or (2 * half) % block:
+        raise ValueError(f"FP4 scale shape {tuple(w_scale.shape)} does not match packed weight {tuple(b.shape)} "
+                         f"(expected {(*lead, o, 2 * half // block)})")
+    codes = jnp.stack([b & 0x0F, b >> 4], axis=-1).reshape(*lead, o, 2 * half)
+    s = jnp.repeat(e8m0_to_f32(_as_u8(w_scale)), block, axis=-1)
+    return (jnp.asarray(FP4_TABLE)[codes] * s).astype(dtype)
+
+
+def _matmul(x, w, act_quant, out_dtype, compute_dtype):
+    if act_quant:  # the reference's FP8 linear: activations QDQ'd per 32 (UE8M0) before the GEMM
+        x = act_quant_fp8(x, 32)
+    y = jnp.einsum("...i,oi->...o", x.astype(compute_dtype), w, preferred_element_type=F32,
+                   precision=lax.Precision.HIGHEST)
+    return y.astype(out_dtype or x.dtype)
+
+
+def fp8_block_matmul(x, w_q, w_scale, block=32, *, act_quant: bool = False, out_dtype=None, compute_dtype=None):
+    """y = x @ W.T with W = dequant_fp8(w_q, w_scale) built inside the computation; fp32 accumulation.
+
+    x [..., I]; w_q [O, I] float8_e4m3fn; w_scale [ceil(O/B), ceil(I/B)] uint8 E8M0 bytes. `act_quant=True`
+    adds the reference's FP8 activation QDQ (set out_dtype=bfloat16 to match REF41 `linear`).
+    compute_dtype (default x.dtype) is the dtype W is dequantised to; exact for bf16 and fp32.
+    """
+    cd = compute_dtype or x.dtype
+    return _matmul(x, dequant_fp8(w_q, w_scale, block, cd), act_quant, out_dtype, cd)
+
+
+def fp4_matmul(x, w_packed, w_scale, block: int = 32, *, act_quant: bool = False, out_dtype=None,
+               compute_dtype=None):
+    """y = x @ W.T with W = dequant_fp4(w_packed, w_scale) built inside the computation; fp32 accumulation.
+
+    x [..., I]; w_packed [O, I/2] uint8/int8; w_scale [O, I/32] uint8 E8M0 bytes. act_quant as fp8_block_matmul.
+    """
+    cd = compute_dtype or x.dtype
+    return _matmul(x, dequant_fp4(w_packed, w_scale, block, cd), act_quant, out_dtype, cd)
