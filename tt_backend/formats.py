@@ -76,7 +76,8 @@ def _bits(dtype_or_bits) -> int:
 
 
 def _f32(x) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    # (np.ascontiguousarray would turn a 0-d array into shape (1,))
+    return np.require(np.asarray(x, dtype=np.float32), requirements="C")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def versions():
 
 
 def _from(x, dtype, pad_value=None):
-    return ttnn.from_torch(torch.from_numpy(np.ascontiguousarray(x)), dtype=DTYPES[dtype],
+    x = np.require(x, requirements="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
+    return ttnn.from_torch(torch.from_numpy(x), dtype=DTYPES[dtype],
                            layout=ttnn.TILE_LAYOUT, pad_value=pad_value)
 
 
