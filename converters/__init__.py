@@ -10,6 +10,7 @@ from converters.quant import MXFP4Reader
 from converters.safetensors_io import CheckpointError, SafetensorsReader, TorchReader
 from jaxmodels import families
 from jaxmodels.config import ModelConfig
+from jaxmodels.families.deepseek_v4 import DeepseekConfig
 from jaxmodels.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,18 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool = True
                 ) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """Import a checkpoint into host memory: (config, numpy params, tokenizer or None)."""
     cfg, reader, names, skip, tok = open_source(src)
+    if isinstance(cfg, DeepseekConfig):
+        from converters import deepseek
+
+        token_map = _engram_map(tok) if cfg.engram_layer_ids and tok is not None else None
+        return cfg, deepseek.import_params(reader, cfg, dtype, progress, token_map), tok
     return cfg, import_params(reader, cfg, names, dtype, progress, skip=skip), tok
+
+
+def _engram_map(tok):
+    from jaxmodels.layers import engram
+
+    return engram.build_compressed_token_map(tok.tok)
 
 
 def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32"):
@@ -51,6 +63,8 @@ def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32
     from jaxmodels import sharding
 
     cfg, reader, names, skip, tok = open_source(src)
+    if isinstance(cfg, DeepseekConfig):
+        raise NotImplementedError("DeepSeek V4 has no sharding rules yet: load it without a mesh")
     params = import_sharded(reader, cfg, names, sharding.shardings(cfg, mesh, rules), dtype, skip=skip)
     return cfg, params, tok
 

@@ -52,7 +52,14 @@ def load_config(path: str | Path) -> ModelConfig:
     meta = json.loads((Path(path) / CONFIG_FILE).read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: unsupported jaxmodels format version {meta.get('format_version')}")
-    return ModelConfig.from_dict(meta["config"])
+    return config_from_dict(meta["config"])
+
+
+def config_from_dict(d: dict):
+    """ModelConfig, or DeepseekConfig for the DeepSeek V4 families (their own config class)."""
+    from jaxmodels.families.deepseek_v4 import V4, V41, DeepseekConfig
+
+    return DeepseekConfig.from_dict(d) if d.get("family") in (V4, V41) else ModelConfig.from_dict(d)
 
 
 def load_meta(path: str | Path) -> dict:

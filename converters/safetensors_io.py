@@ -33,7 +33,7 @@ class SafetensorsReader:
     """`keys()` and `get(name)`: a numpy copy of one tensor, read through the file's memory map."""
 
     def __init__(self, root: str | Path):
-        root = Path(root)
+        root = self._root = Path(root)
         index = root / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -65,7 +65,12 @@ class SafetensorsReader:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        return self._handles[self._where[name]].get_tensor(name)
+        try:
+            return self._handles[self._where[name]].get_tensor(name)
+        except AttributeError:  # F8_E4M3 / F8_E8M0 (DeepSeek): safetensors.numpy has no such dtypes; read the raw bytes
+            from converters.deepseek_quant import read_safetensors_tensor
+
+            return read_safetensors_tensor(self._root / self._where[name], name)
 
     def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Only the bytes of `index` are read from the memory map."""

@@ -73,8 +73,8 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
             params = jax.tree.map(jnp.asarray, params)
         else:
             cfg, params, tok = read_source_sharded(path, mesh, rules, dtype or "float32")
-    if dtype is not None:
-        params = jax.tree.map(lambda a: a.astype(dtype), params)
+    if dtype is not None:  # floating leaves only: routing and token tables stay integer
+        params = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
     return Model(cfg, params, tok, mesh, rules)
 
 

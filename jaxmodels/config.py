@@ -46,7 +46,7 @@ class AttentionSpec:
 @dataclass(frozen=True)
 class MLPSpec:
     kind: str = "gated"  # gated: down(act(gate x) * up x) | moe: routed gated experts
-    activation: str = "silu"  # silu | gelu_tanh | gelu | swiglu_clamp
+    activation: str = "silu"  # silu | gelu_tanh | gelu | swiglu_clamp | silu_limit
     intermediate_size: int = 0  # per expert for moe
     bias: bool = False
     clamp_alpha: float = 1.702  # swiglu_clamp only

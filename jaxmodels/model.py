@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxmodels import deepseek
 from jaxmodels.config import LayerSpec, ModelConfig
+from jaxmodels.families.deepseek_v4 import DeepseekConfig
 from jaxmodels.layers import attention, mlp, moe, rope
 from jaxmodels.layers.norms import norm
 from jaxmodels.sharding import constrain
@@ -297,6 +299,8 @@ def _hidden(cfg, params, tokens, positions, mode, caches=None, lengths=None, unr
 
 def forward(params, cfg: ModelConfig, tokens, positions=None):
     """tokens int32 [B, T] -> float32 logits [B, T, vocab]; no cache."""
+    if isinstance(cfg, DeepseekConfig):
+        return deepseek.forward(params, cfg, tokens, positions)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x, _ = _hidden(cfg, params, tokens, positions, "full")
@@ -310,6 +314,8 @@ def cache_slots(cfg: ModelConfig, spec: LayerSpec, max_len: int) -> int:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> tuple:
+    if isinstance(cfg, DeepseekConfig):
+        return deepseek.init_cache(cfg, batch, max_len, dtype)
     pl = plan(cfg)
     out = []
     for spec, n in zip(pl.kinds, pl.counts):
@@ -325,6 +331,8 @@ def cache_bytes(cache) -> dict[int, int]:
 
 def prefill(params, cfg: ModelConfig, tokens, lengths, cache):
     """Right-padded prompts [B, T] with `lengths` [B] -> (last-token logits [B, vocab], filled cache)."""
+    if isinstance(cfg, DeepseekConfig):
+        return deepseek.prefill(params, cfg, tokens, lengths, cache)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x, cache = _hidden(cfg, params, tokens, positions, "prefill", cache, lengths)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
@@ -337,5 +345,7 @@ def decode_step(params, cfg: ModelConfig, tokens, positions, cache, unroll: int 
     unroll: `lax.scan`'s unroll of the layer loop (True = fully unrolled: compile time grows with
     depth, but every layer then reads its weights through static slices).
     """
+    if isinstance(cfg, DeepseekConfig):
+        return deepseek.decode_step(params, cfg, tokens, positions, cache, unroll)
     x, cache = _hidden(cfg, params, tokens[:, None], positions[:, None], "decode", cache, unroll=unroll)
     return _head(cfg, params, x)[:, 0], cache

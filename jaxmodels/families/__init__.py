@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from jaxmodels.config import ModelConfig
-from jaxmodels.families import cohere, exaone4, gemma3, gpt_oss, llama, mistral, qwen3, qwen3_moe
+from jaxmodels.families import cohere, deepseek_v4, exaone4, gemma3, gpt_oss, llama, mistral, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", qwen3_moe.config, qwen3_moe.NAMES),
     "gpt_oss": Family("gpt_oss", gpt_oss.config, gpt_oss.NAMES),
     "gpt_oss_original": Family("gpt_oss", gpt_oss.config_original, gpt_oss.original_names),
+    # DeepSeek's names and quantised layouts are read by converters/deepseek.py, not by a name map
+    "deepseek_v4": Family("deepseek_v4", deepseek_v4.config, {}),
+    "deepseek_v41": Family("deepseek_v41", deepseek_v4.config, {}),
 }
 
 

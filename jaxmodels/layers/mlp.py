@@ -16,6 +16,8 @@ def activate(spec: MLPSpec, g, u):
         return jax.nn.gelu(g, approximate=True) * u
     if spec.activation == "gelu":
         return jax.nn.gelu(g, approximate=False) * u
+    if spec.activation == "silu_limit":  # DeepSeek V4: gate clamped from above, up on both sides
+        return jax.nn.silu(jnp.minimum(g, spec.clamp_limit)) * jnp.clip(u, -spec.clamp_limit, spec.clamp_limit)
     if spec.activation == "swiglu_clamp":  # gate clamped from above, up on both sides, (up + 1)
         g = jnp.minimum(g, spec.clamp_limit)
         u = jnp.clip(u, -spec.clamp_limit, spec.clamp_limit)
