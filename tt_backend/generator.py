@@ -1,0 +1,682 @@
+"""The vLLM-facing contract of Tenstorrent's ``models/tt_transformers/tt/generator_vllm.py``, executor-agnostic.
+
+Names and argument lists follow tenstorrent/tt-metal's ``generator_vllm.py`` / ``generator.py`` and the
+vllm-tt-plugin decode reload contract (``docs/DECODE_RELOAD_CONTRACT.md``):
+
+* ``initialize_vllm_model(hf_config, mesh_device, max_batch_size, max_seq_len, n_layers=None,
+  tt_data_parallel=1, optimizations="performance")`` builds one model replica per data-parallel submesh,
+  each with ``max_batch_size // tt_data_parallel`` users.
+* ``allocate_kv_cache(kv_cache_shape, dtype, num_layers)`` / ``allocate_kv_cache_per_layer(per_layer_specs)``
+  return ``[submesh][layer][k|v]`` buffers; layers with one ``tensor_idx`` share one buffer.
+* ``get_kv_cache_spec(vllm_config)`` (hybrid models) names layers ``model.layers.<i>.self_attn``.
+* ``prefill_forward(tokens, page_table, kv_cache, prompt_lens, empty_slots, ..., start_pos, page_tables_per_layer)``
+  -> logits ``[batch, 1, vocab]``; ``decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace,
+  read_from_device, sampling_params, reload_inputs, reload_page_table, reload_sampling_params,
+  reset_sampling_state, prompt_tokens, output_tokens, slot_remap, page_tables_per_layer)``.
+* ``model_capabilities``, ``decode_input_update_contract = 1``, ``get_max_tokens_all_users``.
+
+What runs a forward pass is an `Executor` (one per submesh): the NumPy emulator of the lowered TT program
+or, in tests, a JAX reference. It reads and writes the paged caches through `tt_backend.paged_cache`.
+
+Deliberate differences from tt-metal (each guards a silent-corruption path it has):
+* A user's prefill page table holds only the blocks that cover its prompt; the padded tail's entries
+  are -1, so ``paged_fill_cache`` skips it (tt-metal hands the fill the vLLM row up to the padded length:
+  #56324). ``prefill_page_table_mode = "tt"`` reproduces tt-metal for tests of the ownership check.
+* With ``hybrid_kv_cache_groups=True`` sliding layers get a ring of ``sliding_ring_capacity`` tokens
+  addressed with ``cache_position_modulo`` (tt-metal keeps that path disabled and gives sliding layers
+  full-length caches; that is our default too).
+* Batches that do not split evenly over the data-parallel submeshes raise instead of ``torch.chunk``'s
+  uneven split.
+* Only greedy sampling runs "on device" (argmax written back into the resident token buffer); other
+  sampling parameters raise. ``model_capabilities`` says so (no ``supports_sample_on_device``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Hashable, Protocol, Sequence
+
+import numpy as np
+
+from jaxmodels.config import ModelConfig
+from tt_backend import paged_cache as pc
+
+FALLBACK_MAX_TOKENS_ALL_USERS = 131_072  # tt-metal's ModelCapabilitiesMixin fallback
+MIN_PREFILL_CHUNK = 128  # chunked SDPA / prefill lengths are multiples of 128
+RELOAD_COMMANDS = ("reload_inputs", "reload_page_table", "reload_sampling_params", "reset_sampling_state")
+
+
+class TraceReplayError(ValueError):
+    """A traced decode was replayed with inputs whose shapes or buffers differ from the capture."""
+
+
+class ReloadContractError(ValueError):
+    """An illegal or unexecutable combination of decode reload commands."""
+
+
+# ------------------------------------------------------------------------------------ executor
+class Executor(Protocol):
+    """One model replica (one data-parallel submesh) running forward passes over paged caches.
+
+    ``page_tables`` / ``kv_cache`` / ``cache_position_modulo`` are per layer (layers sharing a
+    ``tensor_idx`` get the same buffer objects). Ownership checks, when given, apply to every cache write.
+    """
+
+    config: ModelConfig
+
+    def prefill(self, tokens: np.ndarray, *, chunk_start: int, last_token_idx: int, valid_seq_len: int,
+                page_tables: Sequence[np.ndarray], chunk_page_tables: Sequence[np.ndarray] | None,
+                kv_cache: Sequence[Sequence[np.ndarray]], cache_position_modulo: Sequence[int | None],
+                owners: pc.RowOwners | None) -> np.ndarray:
+        """One user's (chunk of a) padded prompt ``[1, S]`` starting at position `chunk_start`; writes its K/V
+        through ``page_tables`` (``[1, W]`` per layer; ``chunk_page_tables`` is the chunk's slice) and returns the
+        float32 logits ``[vocab]`` of token `last_token_idx` (relative to the chunk). ``valid_seq_len`` real tokens."""
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, *, page_tables: Sequence[np.ndarray],
+               kv_cache: Sequence[Sequence[np.ndarray]], cache_position_modulo: Sequence[int | None],
+               owners: pc.RowOwners | None) -> np.ndarray:
+        """One token per user (``tokens``/``positions`` ``[b]``, position -1 = inactive row) -> logits ``[b, vocab]``."""
+
+
+# ----------------------------------------------------------------------------- cache specs
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """vLLM's ``FullAttentionSpec`` fields."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: Any
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:
+    """vLLM's ``SlidingWindowSpec`` fields."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: Any
+    sliding_window: int
+
+
+def sliding_ring_capacity(window: int, block_size: int) -> int:
+    """Tokens in a sliding layer's ring: vLLM's ``cdiv(window - 1, block_size) + 1`` blocks.
+
+    The extra block is needed, not just tidy: the ring prefill (``valid_seq_len``) rounds the prompt up to a
+    whole block, so up to ``block_size - 1`` padding tokens land in the ring after the last real one, and a
+    ring of exactly ``window`` tokens would lose the oldest in-window positions to them.
+    """
+    return (-(-(window - 1) // block_size) + 1) * block_size
+
+
+def get_padded_prefill_len(seq_len: int) -> int:
+    """At least 128, else the smaller of the next power of two and the next multiple of 1024 (tt_transformers)."""
+    if seq_len <= 128:
+        return 128
+    return min(1 << (seq_len - 1).bit_length(), -(-seq_len // 1024) * 1024)
+
+
+def get_max_prefill_chunk_size(seq_len: int, max_prefill_chunk_size: int) -> int:
+    """The largest multiple of 128 that is <= the limit and divides `seq_len` (seq_len itself if it fits)."""
+    if seq_len <= max_prefill_chunk_size:
+        return seq_len
+    if seq_len % MIN_PREFILL_CHUNK or max_prefill_chunk_size < MIN_PREFILL_CHUNK:
+        raise ValueError(f"chunked prefill needs seq_len ({seq_len}) and the chunk limit "
+                         f"({max_prefill_chunk_size}) to be multiples of {MIN_PREFILL_CHUNK}")
+    for size in range(max_prefill_chunk_size - max_prefill_chunk_size % MIN_PREFILL_CHUNK, 0, -MIN_PREFILL_CHUNK):
+        if seq_len % size == 0:
+            return size
+    raise AssertionError("unreachable: 128 divides seq_len")
+
+
+# ---------------------------------------------------------------------------- submeshes
+@dataclass(frozen=True)
+class EmulatedMesh:
+    """A stand-in for a ttnn mesh device: just its shape (no device is opened)."""
+
+    shape: tuple[int, int] = (1, 1)
+
+    def get_num_devices(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def create_submeshes(mesh_device: EmulatedMesh, data_parallel: int) -> list[EmulatedMesh]:
+    """Split a mesh into `data_parallel` equal submeshes (as tt-metal's ``create_submeshes``)."""
+    n = mesh_device.get_num_devices()
+    if data_parallel <= 0 or n % data_parallel:
+        raise ValueError(f"cannot split a mesh of {n} devices into {data_parallel} data-parallel submeshes")
+    if data_parallel == 1:
+        return [mesh_device]
+    rows, cols = mesh_device.shape
+    per = n // data_parallel
+    shape = (1, per) if rows == 1 or per < cols or per % cols else (per // cols, cols)
+    return [EmulatedMesh(shape) for _ in range(data_parallel)]
+
+
+def _hf_dict(hf_config) -> dict:
+    if isinstance(hf_config, dict):
+        return hf_config
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    return dict(vars(hf_config))
+
+
+def _text_config(hf: dict) -> dict:
+    tc = hf.get("text_config")
+    return _hf_dict(tc) if tc is not None else hf
+
+
+def _model_config(hf_config, n_layers: int | None) -> ModelConfig:
+    if isinstance(hf_config, ModelConfig):
+        cfg = hf_config
+    else:
+        from jaxmodels import families
+
+        cfg = families.config_from_hf(_hf_dict(hf_config))
+    if n_layers is not None:
+        if not 0 < n_layers <= cfg.num_layers:
+            raise ValueError(f"n_layers={n_layers} outside 1..{cfg.num_layers}")
+        cfg = dataclasses.replace(cfg, layers=cfg.layers[:n_layers])
+    return cfg
+
+
+@dataclass
+class _Trace:
+    shapes: dict[str, tuple]  # input name -> (shape, dtype)
+    buffers: tuple[int, ...]  # ids of the kv buffers the trace reads
+
+
+@dataclass
+class _Resident:
+    """Persistent decode inputs of one submesh (what a captured trace reads at fixed addresses)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    page_tables: list[np.ndarray]
+    device_sampled: bool = False  # the last decode wrote its argmax into `tokens` and advanced `positions`
+
+
+class _DeviceOutput:
+    """A decode result not yet read back (``read_from_device=False``)."""
+
+    def __init__(self, parts: list[np.ndarray], batch: int, is_tokens: bool):
+        self.parts, self.batch, self.is_tokens = parts, batch, is_tokens
+
+
+# ---------------------------------------------------------------------------------- generator
+class Generator:
+    """Data-parallel replicas over paged KV caches; the vLLM entry points live here and in subclasses."""
+
+    decode_input_update_contract = 1
+    model_capabilities: dict = {"supports_prefix_caching": True}
+    _HYBRID_KV_CACHE_GROUPS_ENABLED = False
+    prefill_page_table_mode = "safe"  # "tt": tt-metal's per-user page table (pad tail through the vLLM row)
+
+    def __init__(self, executors: Sequence[Executor], mesh_device: EmulatedMesh | None = None, *,
+                 max_batch_size: int, max_seq_len: int, block_size: int | None = None,
+                 max_prefill_chunk_size: int = 4096, hybrid_kv_cache_groups: bool | None = None,
+                 kv_cache_dtype: str = "bfloat8_b"):
+        if not executors:
+            raise ValueError("need at least one executor (one per data-parallel submesh)")
+        self.model = list(executors)
+        self.config = self.model[0].config
+        self.mesh_device = mesh_device
+        self.data_parallel = len(self.model)
+        if max_batch_size % self.data_parallel:
+            raise ValueError(f"max_batch_size={max_batch_size} does not split over {self.data_parallel} submeshes")
+        self.max_batch_size = max_batch_size
+        self.max_batch_size_per_model = max_batch_size // self.data_parallel
+        self.max_seq_len = max_seq_len
+        self.block_size = block_size
+        self.max_prefill_chunk_size = max_prefill_chunk_size
+        self.kv_cache_dtype = kv_cache_dtype  # the device storage dtype the emulator models (bfloat8_b default)
+        self.hybrid_kv_cache_groups = (self._HYBRID_KV_CACHE_GROUPS_ENABLED if hybrid_kv_cache_groups is None
+                                       else hybrid_kv_cache_groups)
+        self._resident: list[_Resident | None] = [None] * self.data_parallel
+        self._trace: _Trace | None = None
+        self._owners: tuple[Sequence[pc.BlockAllocator], Sequence[Hashable | None]] | None = None
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, n_layers=None,
+                              tt_data_parallel=1, optimizations: str | None = "performance", *,
+                              executor_factory=None, **kwargs):
+        """One executor per data-parallel submesh, each for ``max_batch_size // tt_data_parallel`` users.
+
+        executor_factory(config, submesh, max_batch_size, max_seq_len, optimizations) -> Executor. It is
+        required: the emulated TT program's executor is built by `tt_backend` callers, not guessed here.
+        """
+        if max_batch_size % tt_data_parallel:
+            raise ValueError(f"max_batch_size={max_batch_size} does not split over tt_data_parallel={tt_data_parallel}")
+        if executor_factory is None:
+            raise ValueError("initialize_vllm_model needs executor_factory(config, submesh, max_batch_size, "
+                             "max_seq_len, optimizations) -> Executor")
+        cfg = _model_config(hf_config, n_layers)
+        mesh = mesh_device if isinstance(mesh_device, EmulatedMesh) else EmulatedMesh((1, int(mesh_device or 1)))
+        submeshes = create_submeshes(mesh, tt_data_parallel)
+        per = max_batch_size // tt_data_parallel
+        executors = [executor_factory(cfg, s, per, max_seq_len, optimizations) for s in submeshes]
+        return cls(executors, mesh, max_batch_size=max_batch_size, max_seq_len=max_seq_len, **kwargs)
+
+    @property
+    def cache_path(self):
+        return None  # nothing is cached on disk by the emulated backend
+
+    @classmethod
+    def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
+                                 **kwargs) -> int:
+        """All-user KV-cache token capacity; subclasses know device/model-specific budgets."""
+        return FALLBACK_MAX_TOKENS_ALL_USERS
+
+    # ---- KV cache -----------------------------------------------------------------------------
+    def allocate_kv_cache(self, kv_cache_shape, dtype, num_layers):
+        """Uniform caches, one buffer per layer: ``allocate_kv_cache_per_layer`` with ``tensor_idx = layer``."""
+        return self.allocate_kv_cache_per_layer([(kv_cache_shape, dtype, i) for i in range(num_layers)])
+
+    def allocate_kv_cache_per_layer(self, per_layer_specs):
+        """``[submesh][layer][k|v]`` zero buffers ``[num_blocks, kv_heads, block_size, head_dim]``; one per tensor_idx."""
+        if len(per_layer_specs) != self.config.num_layers:
+            raise ValueError(f"{len(per_layer_specs)} per-layer specs for a model of {self.config.num_layers} layers")
+        for layer, (shape, _, _) in enumerate(per_layer_specs):
+            want = (self.config.num_kv_heads, self.config.head_dim)
+            if (shape[1], shape[3]) != want:
+                raise ValueError(f"layer {layer}: kv_cache_shape {tuple(shape)} must have kv_heads, head_dim = {want}")
+            if self.block_size is None:
+                self.block_size = int(shape[2])
+            elif shape[2] != self.block_size:
+                raise ValueError(f"layer {layer}: block_size {shape[2]} differs from the generator's {self.block_size}")
+        return [pc.allocate_shared_buffers([(s, _np_dtype(d), t) for s, d, t in per_layer_specs])
+                for _ in range(self.data_parallel)]
+
+    @classmethod
+    def get_kv_cache_spec(cls, vllm_config, *, hybrid_kv_cache_groups: bool | None = None):
+        """``{"model.layers.<i>.self_attn": spec}`` from ``hf_config.text_config.layer_types``.
+
+        As in tt-metal, every layer gets a `FullAttentionSpec` unless hybrid kv-cache groups are enabled; then
+        sliding layers get a `SlidingWindowSpec` (served as rings through ``cache_position_modulo``).
+        """
+        hybrid = cls._HYBRID_KV_CACHE_GROUPS_ENABLED if hybrid_kv_cache_groups is None else hybrid_kv_cache_groups
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        tc = _text_config(_hf_dict(mc.hf_config))
+        layer_types = tc.get("layer_types")
+        if layer_types is None:
+            raise ValueError(f"{cls.__name__}.get_kv_cache_spec requires hf_config.text_config.layer_types "
+                             "(one of 'full_attention' / 'sliding_attention' per layer); none found")
+        heads = tc["num_attention_heads"]
+        common = dict(block_size=cc.block_size, num_kv_heads=tc.get("num_key_value_heads", heads),
+                      head_size=tc.get("head_dim") or tc["hidden_size"] // heads,
+                      dtype=getattr(mc, "dtype", "bfloat16"))
+        specs = {}
+        for i, lt in enumerate(layer_types):
+            if lt not in ("sliding_attention", "full_attention"):
+                raise ValueError(f"unsupported layer_type {lt!r} at layer {i}; expected 'full_attention' or "
+                                 "'sliding_attention'")
+            specs[f"model.layers.{i}.self_attn"] = (
+                SlidingWindowSpec(**common, sliding_window=tc["sliding_window"])
+                if hybrid and lt == "sliding_attention" else FullAttentionSpec(**common))
+        return specs
+
+    def cache_position_modulo(self) -> list[int | None]:
+        """Per layer: the ring capacity of sliding layers when hybrid groups are on, else None."""
+        if not self.hybrid_kv_cache_groups:
+            return [None] * self.config.num_layers
+        if self.block_size is None:
+            raise ValueError("allocate the KV cache first: the ring capacity depends on its block size")
+        return [None if s.attention.window is None else sliding_ring_capacity(s.attention.window, self.block_size)
+                for s in self.config.layers]
+
+    # ---- ownership (emulator only) --------------------------------------------------------------
+    def track_block_ownership(self, allocators: Sequence[pc.BlockAllocator],
+                              request_of_slot: Sequence[Hashable | None]) -> None:
+        """Check every cache write against `allocators` (one per submesh); `request_of_slot` maps global slots
+        to requests and is read at each call, so the caller may update it in place."""
+        if len(allocators) != self.data_parallel:
+            raise ValueError(f"{len(allocators)} allocators for {self.data_parallel} submeshes")
+        self._owners = (list(allocators), request_of_slot)
+
+    def _row_owners(self, model_id: int, slots: Sequence[int]) -> pc.RowOwners | None:
+        if self._owners is None:
+            return None
+        allocators, request_of_slot = self._owners
+        return pc.RowOwners(allocators[model_id], [request_of_slot[s] for s in slots])
+
+    # ---- page tables --------------------------------------------------------------------------
+    def _page_tables_per_layer(self, page_table, page_tables_per_layer) -> list[np.ndarray]:
+        n = self.config.num_layers
+        if page_tables_per_layer is not None:
+            if len(page_tables_per_layer) != n:
+                raise ValueError(f"page_tables_per_layer has {len(page_tables_per_layer)} entries for {n} layers")
+            if any(pt is None for pt in page_tables_per_layer):
+                raise ValueError("page_tables_per_layer has a None entry; every layer needs its table")
+            return [np.asarray(pt, np.int32) for pt in page_tables_per_layer]
+        if page_table is None:
+            raise ValueError("a paged forward needs page_table or page_tables_per_layer")
+        if self.hybrid_kv_cache_groups and any(m for m in self.cache_position_modulo()):
+            raise ValueError("with hybrid kv-cache groups the sliding layers need their own tables: "
+                             "pass page_tables_per_layer")
+        return [np.asarray(page_table, np.int32)] * n
+
+    def _check_kv(self, kv_cache) -> None:
+        if kv_cache is None or len(kv_cache) != self.data_parallel:
+            raise ValueError(f"kv_cache must hold one per-layer list per submesh ({self.data_parallel})")
+        for i, layers in enumerate(kv_cache):
+            if len(layers) != self.config.num_layers:
+                raise ValueError(f"kv_cache[{i}] has {len(layers)} layers, the model {self.config.num_layers}")
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def prefill_forward(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
+                        enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
+                        return_hidden_states=False, warmup_prefill=True, page_tables_per_layer=None, **kwargs):
+        """Prefill each user of ``tokens [batch, seq]`` into its slot; returns float32 logits ``[batch, 1, vocab]``.
+
+        start_pos: per-user lengths already in the cache (prefix caching); multiples of the block size.
+        Prefill is not traced here; ``enable_trace`` and the warmup flags are accepted for signature
+        compatibility. ``return_hidden_states`` and device sampling in prefill are not supported.
+        """
+        if "reset_batch" in kwargs:
+            raise TypeError("reset_batch is a pre-contract keyword; decode_input_update_contract 1 does not accept it")
+        if return_hidden_states:
+            raise NotImplementedError("prefill_forward(return_hidden_states=True) is not supported")
+        if sampling_params is not None:
+            raise NotImplementedError("device sampling in prefill is not supported; sample the returned logits")
+        if kwargs:
+            raise TypeError(f"unexpected prefill_forward arguments: {sorted(kwargs)}")
+        self._check_kv(kv_cache)
+        tokens = np.asarray(tokens)
+        B, T = tokens.shape
+        prompt_lens = [T] * B if prompt_lens is None else [int(n) for n in np.asarray(prompt_lens).reshape(-1)]
+        empty_slots = list(range(B)) if empty_slots is None else [int(s) for s in empty_slots]
+        cached = [0] * B if start_pos is None else [int(n) for n in np.asarray(start_pos).reshape(-1)]
+        if not len(prompt_lens) == len(empty_slots) == len(cached) == B:
+            raise ValueError(f"prompt_lens, empty_slots and start_pos must have one entry per row ({B})")
+        tables = self._page_tables_per_layer(page_table, page_tables_per_layer)
+        bs = self._require_block_size()
+        modulo = self.cache_position_modulo()
+        vocab = self.config.vocab_size
+        out = np.zeros((B, 1, vocab), np.float32)
+        for idx, slot in enumerate(empty_slots):
+            if not 0 <= slot < self.max_batch_size:
+                raise ValueError(f"slot {slot} outside 0..{self.max_batch_size - 1}")
+            seq_len, n_cached = prompt_lens[idx], cached[idx]
+            if not 0 <= n_cached < seq_len <= min(T, self.max_seq_len):
+                raise ValueError(f"row {idx}: need 0 <= start_pos ({n_cached}) < prompt_len ({seq_len}) <= "
+                                 f"min(tokens, max_seq_len) = {min(T, self.max_seq_len)}")
+            if n_cached % bs:
+                raise ValueError(f"row {idx}: start_pos {n_cached} is not a multiple of the block size {bs}")
+            if n_cached and any(modulo):
+                raise NotImplementedError("prefix caching / chunk continuation is not supported with sliding rings")
+            model_id = slot // self.max_batch_size_per_model
+            out[idx, 0] = self._prefill_user(
+                tokens[idx, n_cached:seq_len], n_cached, seq_len, [pt[idx] for pt in tables], modulo,
+                kv_cache[model_id], model_id, self._row_owners(model_id, [slot]))
+        return out
+
+    def prefill_forward_text(self, *args, **kwargs):
+        return self.prefill_forward(*args, **kwargs)
+
+    def _require_block_size(self) -> int:
+        if self.block_size is None:
+            raise ValueError("block size unknown: allocate the KV cache (or pass block_size) first")
+        return self.block_size
+
+    def _prefill_user(self, new_tokens, n_cached, seq_len, rows, modulo, kv, model_id, owners):
+        bs = self.block_size
+        n_new = seq_len - n_cached
+        padded = get_padded_prefill_len(n_new)
+        ids = np.zeros((1, padded), np.int32)
+        ids[0, :n_new] = new_tokens
+        user_tables = []
+        for row, m in zip(rows, modulo):
+            if m:  # a sliding ring: the whole ring row; the fill wraps and stops at the real length
+                if row.shape[0] < m // bs:
+                    raise ValueError(f"a ring of {m} tokens needs {m // bs} page-table columns, got {row.shape[0]}")
+                user_tables.append(np.asarray(row[None, : m // bs], np.int32))
+            elif self.prefill_page_table_mode == "tt":
+                user_tables.append(pc.raw_prefill_page_table(row, n_cached + padded, bs))
+            else:
+                user_tables.append(pc.prefill_page_table(row, seq_len, n_cached + padded, bs))
+        chunk = get_max_prefill_chunk_size(padded, self.max_prefill_chunk_size)
+        if chunk < padded and any(modulo):
+            raise NotImplementedError("chunked prefill is not supported with sliding rings (as in tt-metal)")
+        last = n_new - 1
+        for start in range(0, padded, chunk):
+            end = start + chunk
+            a, b = (n_cached + start) // bs, -(-(n_cached + end) // bs)
+            chunk_tables = None if chunk == padded and not n_cached else [t[:, a:b] for t in user_tables]
+            logits = self.model[model_id].prefill(
+                ids[:, start:end], chunk_start=n_cached + start, last_token_idx=min(last, end - 1) - start,
+                valid_seq_len=max(0, min(n_new, end) - start), page_tables=user_tables,
+                chunk_page_tables=chunk_tables, kv_cache=kv, cache_position_modulo=modulo, owners=owners)
+            if start <= last < end:  # later chunks would hold only padding
+                return logits
+        raise AssertionError("unreachable: the last token lies in some chunk")
+
+    # ---- decode -------------------------------------------------------------------------------
+    def decode_forward(self, tokens, start_pos, page_table=None, kv_cache=None, enable_trace=True,
+                       read_from_device=True, sampling_params=None, reload_inputs=True, reload_page_table=False,
+                       reload_sampling_params=False, reset_sampling_state=False, prompt_tokens=None,
+                       output_tokens=None, slot_remap=None, page_tables_per_layer=None, **kwargs):
+        """One decode step for every slot. Returns logits ``[batch, 1, vocab]`` (host sampling) or the greedy
+        tokens ``[batch]`` (``sampling_params`` with temperature 0, sampled "on device").
+
+        Reload commands (contract v1): ``reload_inputs`` copies tokens, positions and page tables into the
+        persistent inputs; ``reload_page_table`` copies only page tables and is illegal together with it;
+        with neither, the resident token/position left by the previous greedy device decode are used.
+        ``reset_sampling_state`` requires ``reload_inputs``. ``slot_remap[new] = old`` is applied once to the
+        resident per-slot state before the step reads it. With ``enable_trace`` the first call captures the
+        persistent inputs' shapes and cache buffers; later calls must match them exactly.
+        """
+        if "reset_batch" in kwargs:
+            raise TypeError("reset_batch is a pre-contract keyword; decode_input_update_contract 1 does not accept it")
+        if kwargs:
+            raise TypeError(f"unexpected decode_forward arguments: {sorted(kwargs)}")
+        if reload_inputs and reload_page_table:
+            raise ReloadContractError("reload_page_table is only valid without reload_inputs "
+                                      "(a full input reload already copies the page tables)")
+        if reset_sampling_state and not reload_inputs:
+            raise ReloadContractError("reset_sampling_state requires reload_inputs")
+        greedy = self._greedy(sampling_params)
+        if (reload_sampling_params or reset_sampling_state) and not greedy:
+            raise ReloadContractError("reload_sampling_params/reset_sampling_state=True but no device sampling "
+                                      "is active (sampling_params is None)")
+        self._check_kv(kv_cache)
+        bs = self._require_block_size()
+        modulo = self.cache_position_modulo()
+        dp = self.data_parallel
+
+        if reload_inputs:
+            tok = np.asarray(tokens).reshape(-1).astype(np.int32)
+            pos = np.asarray(start_pos).reshape(-1).astype(np.int32)
+            if tok.shape != pos.shape:
+                raise ValueError(f"tokens {tok.shape} and start_pos {pos.shape} must both be [batch]")
+            tok_parts, pos_parts = pc.chunk_batch(tok, dp), pc.chunk_batch(pos, dp)
+        if reload_inputs or reload_page_table:
+            tables = self._page_tables_per_layer(page_table, page_tables_per_layer)
+            table_parts = [pc.chunk_batch(t, dp) for t in tables]  # [layer][submesh]
+        if not reload_inputs and any(r is None or not r.device_sampled for r in self._resident):
+            raise ReloadContractError("reload_inputs=False but no resident decode inputs are valid: the previous "
+                                      "decode did not sample on device (or there was none since allocation)")
+        if slot_remap is not None:
+            self._apply_slot_remap(slot_remap)
+
+        # copy host inputs into the persistent buffers; a captured trace pins their shapes and the caches
+        if enable_trace and self._trace is not None:
+            staged = {}
+            for i in range(dp):
+                if reload_inputs:
+                    staged[f"submesh{i}.tokens"] = tok_parts[i]
+                    staged[f"submesh{i}.start_pos"] = pos_parts[i]
+                if reload_inputs or reload_page_table:
+                    for layer, t in enumerate(table_parts):
+                        staged[f"submesh{i}.page_table[{layer}]"] = t[i]
+            self._check_replay(staged, kv_cache)
+        for i in range(dp):
+            if reload_inputs:
+                self._resident[i] = _Resident(tok_parts[i].copy(), pos_parts[i].copy(),
+                                              [t[i].copy() for t in table_parts])
+            elif reload_page_table:
+                self._resident[i].page_tables = [t[i].copy() for t in table_parts]
+        if enable_trace and self._trace is None:
+            self._trace = self._trace_signature(kv_cache)  # capture
+
+        parts = []
+        for i in range(dp):
+            r = self._resident[i]
+            top = int(r.positions.max(initial=-1))
+            for layer, (t, m) in enumerate(zip(r.page_tables, modulo)):
+                if (m and t.shape[1] * bs < m) or (not m and top // bs >= t.shape[1]):
+                    raise ValueError(f"layer {layer}: a page table of {t.shape[1]} blocks of {bs} cannot address "
+                                     f"{f'a ring of {m}' if m else f'position {top}'}")
+            slots = range(i * self.max_batch_size_per_model, i * self.max_batch_size_per_model + len(r.tokens))
+            logits = np.asarray(self.model[i].decode(
+                r.tokens.copy(), r.positions.copy(), page_tables=r.page_tables, kv_cache=kv_cache[i],
+                cache_position_modulo=modulo, owners=self._row_owners(i, list(slots))), np.float32)
+            if greedy:
+                nxt = np.argmax(logits, axis=-1).astype(np.int32)
+                active = r.positions >= 0
+                r.tokens[active] = nxt[active]  # token feedback into the persistent input
+                r.positions[active] += 1  # one position advance per decode
+                r.device_sampled = True
+                parts.append(nxt)
+            else:
+                r.device_sampled = False
+                parts.append(logits[:, None, :])
+        out = _DeviceOutput(parts, sum(len(p) for p in parts), greedy)
+        return self.read_decode_output(out) if read_from_device else out
+
+    def read_decode_output(self, output: _DeviceOutput, async_read: bool = False):
+        """Host copy of a decode result (tokens ``[batch]`` or logits ``[batch, 1, vocab]``)."""
+        return np.concatenate(output.parts, axis=0)
+
+    def release_trace(self) -> None:
+        """Forget the captured decode trace; the next traced decode captures again."""
+        self._trace = None
+
+    # ---- decode helpers -----------------------------------------------------------------------
+    @staticmethod
+    def _greedy(sampling_params) -> bool:
+        if sampling_params is None:
+            return False
+        temps = np.asarray(getattr(sampling_params, "temperature", sampling_params), np.float64).reshape(-1)
+        if (temps != 0).any():
+            raise NotImplementedError("only greedy (temperature 0) device sampling is emulated; sample the "
+                                      "logits on the host (sampling_params=None)")
+        return True
+
+    def _trace_signature(self, kv_cache) -> _Trace:
+        shapes = {}
+        for i, r in enumerate(self._resident):
+            shapes[f"submesh{i}.tokens"] = (r.tokens.shape, r.tokens.dtype)
+            shapes[f"submesh{i}.start_pos"] = (r.positions.shape, r.positions.dtype)
+            for layer, t in enumerate(r.page_tables):
+                shapes[f"submesh{i}.page_table[{layer}]"] = (t.shape, t.dtype)
+        bufs = tuple(id(a) for sub in kv_cache for layer in sub for a in layer)
+        return _Trace(shapes, bufs)
+
+    def _check_replay(self, staged: dict[str, np.ndarray], kv_cache) -> None:
+        """Before any copy: the staged host inputs must fit the captured persistent buffers exactly."""
+        for name, x in staged.items():
+            want, have = self._trace.shapes.get(name), (x.shape, x.dtype)
+            if want != have:
+                raise TraceReplayError(f"decode trace captured {name} as shape {want[0] if want else None}, "
+                                       f"replayed with {x.shape}: batch and page-table shapes must not change "
+                                       "between capture and replay (release_trace() to capture again)")
+        bufs = tuple(id(a) for sub in kv_cache for layer in sub for a in layer)
+        if bufs != self._trace.buffers:
+            raise TraceReplayError("decode trace replayed with different KV-cache buffers than it captured "
+                                   "(a trace reads fixed addresses); call release_trace() first")
+
+    def _apply_slot_remap(self, slot_remap) -> None:
+        """``slot_remap[new] = old`` in global slots; each submesh's slice must stay inside that submesh."""
+        remap = [int(s) for s in np.asarray(slot_remap).reshape(-1)]
+        if len(remap) % self.data_parallel:
+            raise ValueError(f"slot_remap has {len(remap)} entries, not divisible over {self.data_parallel} submeshes")
+        stride = len(remap) // self.data_parallel
+        if sorted(remap) != list(range(len(remap))):
+            raise ValueError(f"slot_remap must be a permutation of 0..{len(remap) - 1}, got {remap}")
+        for i, r in enumerate(self._resident):
+            local = [old - i * stride for old in remap[i * stride:(i + 1) * stride]]
+            if any(not 0 <= o < stride for o in local):
+                raise ValueError(f"slot_remap moves a request across data-parallel submesh {i}")
+            if r is None:
+                continue
+            if len(r.tokens) != stride:
+                raise ValueError(f"slot_remap covers {stride} slots per submesh, the resident batch {len(r.tokens)}")
+            r.tokens[...] = r.tokens[local]
+            r.positions[...] = r.positions[local]
+
+
+def _np_dtype(dtype):
+    """Host storage for a requested cache dtype: NumPy dtypes pass through; TT/torch names store float32."""
+    if dtype is None:
+        return np.float32
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.float32
+
+
+# --------------------------------------------------------------------------- model classes
+class HybridAttentionForCausalLM(Generator):
+    """Mixed sliding/full attention (Gemma3, EXAONE 4.5, GPT-OSS): per-layer page tables, no prefix caching."""
+
+    model_capabilities = {"supports_prefix_caching": False}
+
+
+class LlamaForCausalLM(Generator):
+    model_capabilities = {"supports_prefix_caching": True}
+
+    @classmethod
+    def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
+                                 is_wormhole: bool = True, **kwargs) -> int:
+        if "Llama-3.1-8B" in model_name and num_devices // tt_data_parallel == 1 and is_wormhole:
+            return 32_768  # one Wormhole (N150)
+        return super().get_max_tokens_all_users(model_name, num_devices, tt_data_parallel, **kwargs)
+
+
+class QwenForCausalLM(Generator):
+    model_capabilities = {"supports_prefix_caching": True}
+
+    @classmethod
+    def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
+                                 is_wormhole: bool = True, **kwargs) -> int:
+        per = num_devices // tt_data_parallel
+        if "Qwen3-8B" in model_name and per == 1 and is_wormhole:
+            return 32_768
+        if ("DeepSeek-R1-Distill-Qwen-14B" in model_name or "Qwen2.5-14B" in model_name) and per == 2 and is_wormhole:
+            return 65_536
+        return super().get_max_tokens_all_users(model_name, num_devices, tt_data_parallel, **kwargs)
+
+
+class MistralForCausalLM(Generator):
+    model_capabilities = {"supports_prefix_caching": True}
+
+    @classmethod
+    def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
+                                 is_wormhole: bool = True, **kwargs) -> int:
+        if "Mistral-7B" in model_name and num_devices // tt_data_parallel == 1 and is_wormhole:
+            return 65_536
+        return super().get_max_tokens_all_users(model_name, num_devices, tt_data_parallel, **kwargs)
+
+
+class CohereForCausalLM(Generator):
+    model_capabilities = {"supports_prefix_caching": True}
+
+
+class Gemma3ForCausalLM(HybridAttentionForCausalLM):
+    @classmethod
+    def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
+                                 is_wormhole: bool = True, **kwargs) -> int:
+        if "gemma-3-4b" in model_name.lower() and num_devices // tt_data_parallel in (1, 2) and is_wormhole:
+            return 65_536
+        return super().get_max_tokens_all_users(model_name, num_devices, tt_data_parallel, **kwargs)
+
+
+class Exaone4ForCausalLM(HybridAttentionForCausalLM):
+    pass
+
+
+class GptOssForCausalLM(HybridAttentionForCausalLM):
+    pass
+
