@@ -18,6 +18,7 @@ bfloat16, which has the same exponent range and >= the 3 mantissa bits of e4m3),
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -232,8 +233,17 @@ _NP_TO_ST = {np.dtype(E4M3): "F8_E4M3", np.dtype(E8M0): "F8_E8M0", np.dtype(ml_d
 
 
 def read_safetensors_header(path) -> tuple[dict, int]:
+    """(header dict, byte offset of the data). Cached per file version: a shard holds thousands of tensors."""
+    st = Path(path).stat()
+    return _header(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _header(path: str, mtime_ns: int, size: int) -> tuple[dict, int]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise ValueError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
         return json.loads(f.read(n)), 8 + n
 
 
@@ -251,6 +261,8 @@ def read_safetensors_tensor(path, name: str) -> np.ndarray:
     if b - a != math.prod(shape) * dt.itemsize:
         raise ValueError(f"{path}: tensor {name!r} holds {b - a} bytes, shape {shape} {meta['dtype']} needs "
                          f"{math.prod(shape) * dt.itemsize}")
+    if base + b > Path(path).stat().st_size:
+        raise ValueError(f"{path}: truncated safetensors file (tensor {name!r} ends at byte {base + b})")
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=base + a, shape=(b - a,)) if b > a else np.zeros(0, np.uint8)
     return np.array(mm).view(dt).reshape(shape)
 

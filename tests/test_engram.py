@@ -20,6 +20,7 @@ REAL = dict(layer_ids=(1, 14), max_ngram=4, vocab_size=16_000_000, n_heads=8, co
 REAL_MULT = {1: [76632096046245, 4839876093313, 35959672319349, 73987337458391],
              14: [67716810739261, 51510806800915, 30921347202721, 82619226485591]}
 INT64_MAX = 2 ** 63 - 1
+inject = jax.jit(E.engram_inject, static_argnames=("eps", "act_quant"))  # eager op-by-op dispatch is slow
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +114,9 @@ def test_blocking_at_start_and_dead_tokens():
     np.testing.assert_array_equal(got[0, 1], [2, 1, P, P])
     # the same blocking inside the JAX window path
     lay = E.EngramLayout.from_config((0, 1), 4, 100, 2, 256)
-    w = E.ngram_windows(jnp.array([[5, 6, 7, 8, 9]]), 4, jnp.array([[False, False, True, False, False]]))
-    np.testing.assert_array_equal(np.asarray(E.hash_window(w, P, lay)),
+    got = jax.jit(lambda i, d: E.hash_window(E.ngram_windows(i, 4, d), P, lay))(
+        jnp.array([[5, 6, 7, 8, 9]]), jnp.array([[False, False, True, False, False]]))
+    np.testing.assert_array_equal(np.asarray(got),
                                   E.ngram_hashes_np([[5, 6, 7, 8, 9]], lay, P, [[False, False, True, False, False]]))
 
 
@@ -227,12 +229,13 @@ def test_inject_matches_float64_oracle():
     X = (rng.standard_normal((2, 5, 4, 32)) * rng.uniform(0.1, 10, (2, 5, 4, 1))).astype(np.float32)
     cols = rng.integers(0, 50, (2, 5, 6))
     mask = rng.random((2, 5)) < 0.7
-    f = jax.jit(lambda p, X, c, m: E.engram_inject(p, X, c, m, 1e-20))
-    got = np.asarray(f(p, X, cols, mask))
+    got = np.asarray(inject(p, X, cols, mask, 1e-20))
     want, gate = inject_oracle(p["table"], p["wkv"], p["q_weight"], p["k_weight"], X, cols, mask, 1e-20)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert 0.05 < gate[mask].min() and gate[mask].max() < 0.95  # the gate is active, not saturated
     np.testing.assert_array_equal(got[~mask], X[~mask])  # closed gate: the stream passes through untouched
+    # the (p, X, cols, eps, token_mask) spelling jaxmodels/deepseek.py uses
+    np.testing.assert_array_equal(np.asarray(jax.jit(E.inject)(p, X, cols, 1e-20, mask)), got)
 
 
 def test_gate_is_per_stream_and_value_shared():
@@ -240,10 +243,10 @@ def test_gate_is_per_stream_and_value_shared():
     p = engram_params(rng)
     X = rng.standard_normal((1, 3, 4, 32)).astype(np.float32)
     cols = rng.integers(0, 50, (1, 3, 6))
-    base = np.asarray(E.engram_inject(p, X, cols)) - X
+    base = np.asarray(inject(p, X, cols)) - X
     X2 = X.copy()
     X2[:, :, 2] *= 37.0  # rescaling one stream leaves its own gate (and the others') unchanged
-    np.testing.assert_allclose(np.asarray(E.engram_inject(p, X2, cols)) - X2, base, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(inject(p, X2, cols)) - X2, base, rtol=1e-4, atol=1e-4)
     val = (p["table"][cols].reshape(1, 3, -1) @ p["wkv"])[..., 4 * 32:]
     ratio = base / val[:, :, None, :]  # the same value vector in every stream, scaled by that stream's gate
     np.testing.assert_allclose(ratio, np.broadcast_to(ratio[..., :1], ratio.shape), rtol=1e-4)
@@ -257,7 +260,7 @@ def test_zero_dot_uses_copysign():
     p["wkv"][:, : 4 * 32] = 0
     X = rng.standard_normal((1, 2, 4, 32)).astype(np.float32)
     cols = rng.integers(0, 50, (1, 2, 6))
-    gate = (np.asarray(E.engram_inject(p, X, cols)) - X) / (p["table"][cols].reshape(1, 2, -1) @ p["wkv"])[
+    gate = (np.asarray(inject(p, X, cols)) - X) / (p["table"][cols].reshape(1, 2, -1) @ p["wkv"])[
         ..., None, 4 * 32:]
     np.testing.assert_allclose(gate, 1 / (1 + np.exp(-1e-3)), rtol=1e-4)
 
@@ -274,7 +277,6 @@ def test_kept_quantized_table_and_wkv_equal_dequantised():
     X = rng.standard_normal((2, 3, n, D)).astype(ml_dtypes.bfloat16)
     cols = rng.integers(0, R, (2, 3, C))
     for aq in (False, True):
-        f = jax.jit(lambda p, X, c: E.engram_inject(p, X, c, act_quant=aq))
-        a, b = f(dense, X, cols), f(quant, X, cols)
+        a, b = inject(dense, X, cols, act_quant=aq), inject(quant, X, cols, act_quant=aq)
         assert a.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))

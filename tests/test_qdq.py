@@ -19,6 +19,9 @@ from jaxmodels.layers import qdq
 
 BF16 = ml_dtypes.bfloat16
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# jitted once per shape: eager op-by-op dispatch is slow on a loaded CI machine
+act_quant = jax.jit(qdq.act_quant_fp8, static_argnames=("block", "return_scale"))
+fp4_quant = jax.jit(qdq.fp4_act_quant, static_argnames=("block", "scale_fmt", "return_codes"))
 
 
 def bits(a):
@@ -234,7 +237,7 @@ def test_fp4_e4m3_scale_path_with_small_and_clamped_amax():
     x[2, :16] = np.float32(6.2)  # amax/6 = 1.0333 rounds down to e4m3 1.0 -> x/s = 6.2 > 6, clamps
     x = x.astype(BF16)
     want_y, want_code, _ = fp4_quant_ref(x, 16, "e4m3")
-    np.testing.assert_array_equal(bits(np.asarray(qdq.fp4_act_quant(jnp.asarray(x), 16, "e4m3"))), bits(want_y))
+    np.testing.assert_array_equal(bits(np.asarray(fp4_quant(jnp.asarray(x), 16, "e4m3"))), bits(want_y))
     assert (want_code[2, :16] & 7 == 7).all() and (want_code[0] == 0).all()
 
 
@@ -279,12 +282,12 @@ def test_against_torch_transcription_of_the_kernel():
     x = np.concatenate([many_scales(rng, 32, 128, 32).astype(BF16), fp8_ties(rng, 4, 32).reshape(1, 128),
                         fp4_ties(rng, 4, 32).reshape(1, 128)])
     xt = torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
-    np.testing.assert_array_equal(bits(np.asarray(qdq.act_quant_fp8(jnp.asarray(x)))), to_np(t_act(xt)))
-    np.testing.assert_array_equal(bits(np.asarray(qdq.fp4_act_quant(jnp.asarray(x), 32, "e8m0"))),
+    np.testing.assert_array_equal(bits(np.asarray(act_quant(jnp.asarray(x)))), to_np(t_act(xt)))
+    np.testing.assert_array_equal(bits(np.asarray(fp4_quant(jnp.asarray(x), 32, "e8m0"))),
                                   to_np(t_fp4(xt, 32, "e8m0")))
     xs = (x.astype(np.float32) * np.float32(2.0 ** -100)).clip(-2000, 2000).astype(BF16)
     xst = torch.from_numpy(xs.view(np.int16).copy()).view(torch.bfloat16)
-    np.testing.assert_array_equal(bits(np.asarray(qdq.fp4_act_quant(jnp.asarray(xs), 16, "e4m3"))),
+    np.testing.assert_array_equal(bits(np.asarray(fp4_quant(jnp.asarray(xs), 16, "e4m3"))),
                                   to_np(t_fp4(xst, 16, "e4m3")))
 
 
@@ -448,6 +451,10 @@ def test_safetensors_raw_round_trip(tmp_path):
         got = dq.read_safetensors_tensor(path, k)
         assert got.shape == v.shape
         np.testing.assert_array_equal(bits(got), bits(v))
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ValueError, match="truncated"):
+        dq.read_safetensors_tensor(cut, "n.weight")
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file  # an independent reader
 
@@ -481,7 +488,7 @@ def test_fp8_block_matmul_equals_dequant_matmul():
     np.testing.assert_array_equal(bits(np.asarray(y)), bits(np.asarray(want)))
     # 128x128 blocks, ragged edges
     q2, s2 = dq.quantize_fp8_blocks(w[:, :150], 128)
-    y2 = qdq.fp8_block_matmul(x[..., :150], jnp.asarray(q2), jnp.asarray(s2), 128)
+    y2 = jax.jit(lambda x, q, s: qdq.fp8_block_matmul(x, q, s, 128))(x[..., :150], q2, s2)
     np.testing.assert_allclose(np.asarray(y2), x[..., :150] @ dq.dequant_fp8_blocks(q2, s2, 128).T, rtol=1e-5,
                                atol=1e-5)
 
@@ -496,5 +503,8 @@ def test_fp4_matmul_equals_dequant_matmul():
     want = jnp.einsum("...i,oi->...o", x, wd, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
     np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ wd.T.astype(np.float64), rtol=1e-5, atol=1e-4)
-    yb = qdq.fp4_matmul(x.astype(BF16), p.view(np.uint8), s, act_quant=True)
+    yb = jax.jit(lambda x, p, s: qdq.fp4_matmul(x, p, s, act_quant=True))(x.astype(BF16), p.view(np.uint8), s)
     assert yb.dtype == jnp.bfloat16
+    want = jnp.einsum("...i,oi->...o", jnp.asarray(act_quant_ref(x.astype(BF16))[0]), jnp.asarray(wd).astype(
+        jnp.bfloat16), preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(yb).view(np.uint16), np.asarray(want).view(np.uint16))

@@ -322,4 +322,6 @@ def engram_inject(p, X, cols, token_mask=None, eps: float = 1e-20, *, act_quant:
     return (h + gate[..., None] * val[:, :, None, :]).astype(dt)
 
 
-inject = engram_inject  # name used by jaxmodels/deepseek.py
+def inject(p, X, cols, eps: float = 1e-20, token_mask=None, *, act_quant: bool = False):
+    """`engram_inject` with the argument order jaxmodels/deepseek.py calls it with (eps before token_mask)."""
+    return engram_inject(p, X, cols, token_mask, eps, act_quant=act_quant)
