@@ -124,14 +124,39 @@ def fake(monkeypatch):
 
 
 # -------------------------------------------------------------------------------- lowered programs
-def _families():
-    from tests.tt.test_tt_forward import TINY
-    return list(TINY)
+# Tiny HF configs, one per lowered family (head_dim 32: TT's rotary op works on whole tiles).
+BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 8192, "num_hidden_layers": 2}
+FAMILIES = {
+    "llama": {"model_type": "llama", "attention_bias": True},
+    "qwen3": {"model_type": "qwen3", "tie_word_embeddings": True},
+    "mistral": {"model_type": "mistral", "sliding_window": 48},
+    "cohere": {"model_type": "cohere", "hidden_size": 128, "use_qk_norm": True, "logit_scale": 0.25},
+    "gemma3": {"model_type": "gemma3_text", "query_pre_attn_scalar": 24, "sliding_window": 48,
+               "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 30.0},
+    "exaone4": {"model_type": "exaone4", "num_hidden_layers": 4, "sliding_window": 48, "sliding_window_pattern": "LLLG",
+                "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
+    "gpt_oss_dense": {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 48,
+                      "layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
+def tiny_config(name):
+    import dataclasses
+
+    from jaxmodels import families
+    from jaxmodels.config import MLPSpec
+
+    cfg = families.config_from_hf({**BASE, **FAMILIES[name]})
+    if name == "gpt_oss_dense":  # GPT-OSS attention (sinks, windows) over a dense MLP: MoE is not lowered yet
+        mlp = MLPSpec(activation="silu", intermediate_size=128)
+        cfg = dataclasses.replace(cfg, layers=tuple(dataclasses.replace(s, mlp=mlp) for s in cfg.layers))
+    return cfg
 
 
 def _params():
     out = []
-    for name in _families():
+    for name in FAMILIES:
         marks = []
         if name == "gemma3":
             # A real finding: ttnn 0.81.1 has UnaryOpType.GELU_TANH, not GELU_APPROX (see api_signatures.json).
@@ -143,7 +168,6 @@ def _params():
 
 @pytest.mark.parametrize("family", _params())
 def test_lowered_programs_map_onto_the_real_api(fake, family):
-    from tests.tt.test_tt_forward import tiny_config
     import tt_backend
 
     progs = tt_backend.lower(tiny_config(family), prefill_len=128, batch=4, max_seq_len=512)
@@ -274,21 +298,26 @@ def test_device_prefill_matches_emulator():
     """Hardware only: a tiny Llama's prefill on the chip against the emulator (PCC, not equality:
     device packing, fidelity and accumulation are modelled, not verified)."""
     _require_device()
-    from tests.tt.test_emu_ops import comp_pcc
-    from tests.tt.test_tt_forward import tiny_model
+    import jax
+
+    import jaxmodels as jm
     import tt_backend
+    from jaxmodels import model as M
     from tt_backend.weights import prepare
 
-    model = tiny_model("llama")
+    cfg = tiny_config("llama")
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: (1.0 if x.ndim == 1 else 0.05) * rng.standard_normal(x.shape).astype(np.float32)
+                          + (1.0 if x.ndim == 1 else 0.0), M.init_params(cfg))
+    model = jm.Model(cfg, params)
     T, S, bs = 40, 128, 32
-    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, T)
+    tokens = rng.integers(0, cfg.vocab_size, T)
     emu = tt_backend.Executor(model, max_seq_len=S, block_size=bs)
     want = emu.prefill(tokens, np.arange(S // bs, dtype=np.int32), emu.allocate_kv_cache(S // bs))
     prog = emu.program("prefill", S)
     ex = TTNNExecutor.open()
     try:
-        host = prepare(model.config, model.params, S)
-        w = ex.load(host, prog.tensors)
+        w = ex.load(prepare(cfg, model.params, S), prog.tensors)
         kv = ex.allocate_state(prog.tensors, S // bs)
         ids = np.zeros((1, S), np.uint32)
         ids[0, :T] = tokens
@@ -298,5 +327,5 @@ def test_device_prefill_matches_emulator():
         got = ex.to_numpy(t[prog.outputs[0]]).reshape(S, -1)[:T]
     finally:
         ex.close()
-    ok, pcc = comp_pcc(want, got, 0.99)
-    assert ok, pcc
+    pcc = np.corrcoef(want.ravel(), got.ravel())[0, 1]
+    assert pcc >= 0.99, pcc
