@@ -315,14 +315,14 @@ def layer_freqs(cfg, layer_id):
 # ----------------------------------------------------------------------------------------------------
 # §4 mHC
 # ----------------------------------------------------------------------------------------------------
-def mixes_sinkhorn(X, fn, base, scale, hc_mult=4, iters=20, hc_eps=1e-6, norm_eps=1e-20):
-    """X [..., n, D] -> (pre [..., n], post [..., n], comb [..., n, n]) per §4 (comb[j,k]: j = source)."""
+def hc_split_sinkhorn(mixes, scale, base, hc_mult=4, iters=20, hc_eps=1e-6):
+    """mixes [..., (2+n)·n] -> (pre [..., n], post [..., n], comb [..., n, n]) per §4 / K41:406-458:
+    pre = sigmoid+eps (not normalised), post = 2·sigmoid, comb = row softmax + eps, column normalise,
+    then (iters-1) × (row, column) normalisations, eps inside every denominator."""
     n = hc_mult
-    xf = X.reshape(*X.shape[:-2], -1)
-    mixes = (xf @ fn.T) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
     pre = sigmoid(mixes[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])
-    C = (mixes[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*mixes.shape[:-1], n, n)
+    C = (mixes[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*mixes.shape[:-1], n, n)  # C[j,k] row-major
     C = np.exp(C - C.max(-1, keepdims=True))
     C = C / C.sum(-1, keepdims=True) + hc_eps
     C = C / (C.sum(-2, keepdims=True) + hc_eps)
@@ -330,6 +330,14 @@ def mixes_sinkhorn(X, fn, base, scale, hc_mult=4, iters=20, hc_eps=1e-6, norm_ep
         C = C / (C.sum(-1, keepdims=True) + hc_eps)
         C = C / (C.sum(-2, keepdims=True) + hc_eps)
     return pre, post, C
+
+
+def mixes_sinkhorn(X, fn, base, scale, hc_mult=4, iters=20, hc_eps=1e-6, norm_eps=1e-20):
+    """Stream X [..., n, D] -> (pre, post, comb). The unweighted RMS is over the flattened n·D vector
+    (one scalar per token), applied after the projection (§4, §12.6). comb[j, k]: j = source copy."""
+    xf = X.reshape(*X.shape[:-2], -1)
+    mixes = (xf @ fn.T) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
+    return hc_split_sinkhorn(mixes, scale, base, hc_mult, iters, hc_eps)
 
 
 def hc_collapse(X, p):
@@ -483,7 +491,7 @@ def sparse_attention(q, kv_win, win_mask, kv_c, c_mask, sink, scale):
     return o
 
 
-def attention(ctx, x, layer_id, sh, pos=None):
+def attention(ctx, x, layer_id, sh):
     cfg, w = ctx.cfg, ctx.w
     p = f"layers.{layer_id}.attn."
     B, T, _ = x.shape
@@ -621,7 +629,7 @@ def default_token_map(cfg, token_map=None):
     return np.arange(cfg["vocab_size"], dtype=np.int64) // 2  # spec §1.4 StubTokenizer
 
 
-def backbone(ck, tokens, quant_sim=False, token_map=None, return_aux=False):
+def backbone(ck, tokens, quant_sim=False, token_map=None):
     """Returns (logits [B,T,V], aux dict) — aux holds per-layer diagnostics and the DSpark main hidden."""
     ctx = ck if isinstance(ck, _Ctx) else _Ctx(ck, quant_sim)
     cfg, w = ctx.cfg, ctx.w
@@ -656,3 +664,75 @@ def forward(ckpt_dir, tokens, quant_sim=False, token_map=None):
     """Float64 logits [B, T, vocab] of the V4.1 backbone (prefill semantics, every position)."""
     ck = ckpt_dir if isinstance(ckpt_dir, Checkpoint) else load_checkpoint(ckpt_dir)
     return backbone(ck, tokens, quant_sim, token_map)[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# §8.1 DSpark (the reference's decode-time `forward_spec`)
+# ----------------------------------------------------------------------------------------------------
+def _dspark_attention(ctx, x, main_x, layer_id, prefix, p):
+    """Draft queries at positions p+1..p+blk attend the window of main_x KV (positions ≤ p, the ring)
+    plus every draft KV of the block (bidirectional), with sinks; ratio-0 RoPE (rope_theta, no YaRN)."""
+    cfg, w = ctx.cfg, ctx.w
+    a = prefix + "attn."
+    B, blk, _ = x.shape
+    H, d, W, eps = cfg["n_heads"], cfg["head_dim"], cfg["window_size"], cfg["norm_eps"]
+    fr = layer_freqs(cfg, layer_id)
+    mpos = np.arange(max(0, p - W + 1), p + 1)
+    dpos = np.arange(p + 1, p + 1 + blk)
+    main_kv = rms_norm(ctx.lin(main_x[:, mpos], a + "wkv.weight"), w[a + "kv_norm.weight"], eps)
+    main_kv = apply_rope(main_kv, mpos, fr)
+    qr = rms_norm(ctx.lin(x, a + "wq_a.weight"), w[a + "q_norm.weight"], eps)
+    q = apply_rope(ctx.lin(qr, a + "wq_b.weight").reshape(B, blk, H, d), dpos, fr)
+    kv = apply_rope(rms_norm(ctx.lin(x, a + "wkv.weight"), w[a + "kv_norm.weight"], eps), dpos, fr)
+    if ctx.qs:
+        main_kv, kv = act_quant(main_kv, 32), act_quant(kv, 32)
+    keys = np.concatenate([main_kv, kv], 1)
+    o = sparse_attention(q, keys, np.ones((blk, keys.shape[1]), bool), None, None, w[a + "attn_sink"], d ** -0.5)
+    o = apply_rope(o, dpos, fr, inverse=True)
+    G, Ro = cfg["o_groups"], cfg["o_lora_rank"]
+    u = np.einsum("bsgd,grd->bsgr", o.reshape(B, blk, G, -1), w[a + "wo_a.weight"].reshape(G, Ro, -1))
+    return ctx.lin(u.reshape(B, blk, G * Ro), a + "wo_b.weight")
+
+
+def dspark_forward(ckpt_dir, tokens, quant_sim=False, token_map=None, first_token=None):
+    """The DSpark draft made right after the backbone has processed `tokens` [B, T] (the reference's
+    decode step at start_pos = T-1 followed by `forward_spec`; needs T ≥ 2). The draft block is
+    [first_token, noise × (blk-1)] at positions T..T+blk-1, `first_token` defaulting to the greedy
+    argmax of the backbone's last logits. Returns (draft_logits [B, blk, V] incl. the Markov bias,
+    out_ids [B, blk+1] (greedy), confidence [B, blk])."""
+    ck = ckpt_dir if isinstance(ckpt_dir, Checkpoint) else load_checkpoint(ckpt_dir)
+    ctx = _Ctx(ck, quant_sim)
+    cfg, w = ctx.cfg, ctx.w
+    tokens = np.asarray(tokens, dtype=np.int64)
+    B, T = tokens.shape
+    assert T >= 2 and cfg["dspark_block_size"] > 0
+    logits, aux = backbone(ctx, tokens, token_map=token_map)
+    p, blk, L, n, eps = T - 1, cfg["dspark_block_size"], cfg["n_layers"], cfg["hc_mult"], cfg["norm_eps"]
+    first = logits[:, -1].argmax(-1) if first_token is None else np.broadcast_to(np.asarray(first_token), (B,))
+    main_h = np.concatenate(aux["main_hiddens"], -1)  # [B, T, len(targets)·D]
+    main_x = rms_norm(ctx.lin(main_h, "mtp.0.main_proj.weight"), w["mtp.0.main_norm.weight"], eps)
+    ids = np.full((B, blk), cfg["dspark_noise_token_id"], np.int64)
+    ids[:, 0] = first
+    X = np.repeat(w["embed.weight"][ids][:, :, None, :], n, axis=2)
+    pre = np.zeros((B, blk, n))
+    pre[..., 0] = 1.0
+    n_exp = cfg["dspark_n_routed_experts"] or cfg["n_routed_experts"]
+    k_exp = cfg["dspark_n_activated_experts"] or cfg["n_activated_experts"]
+    m_last = cfg["n_mtp_layers"] - 1
+    for m in range(cfg["n_mtp_layers"]):
+        pf = f"mtp.{m}."
+        X, pre = _block(ctx, X, pre, L + m, pf, None, n_exp, k_exp,
+                        lambda xx, m=m, pf=pf: _dspark_attention(ctx, xx, main_x, L + m, pf, p))
+    x = hc_collapse(X, pre)
+    dl = rms_norm(x, w[f"mtp.{m_last}.norm.weight"], eps) @ w["head.weight"].T
+    me, mh = w[f"mtp.{m_last}.markov_head.embed.weight"], w[f"mtp.{m_last}.markov_head.head.weight"]
+    out = np.zeros((B, blk + 1), np.int64)
+    out[:, 0] = first
+    embeds = []
+    for i in range(blk):
+        e = me[out[:, i]]
+        dl[:, i] += e @ mh.T
+        embeds.append(e)
+        out[:, i + 1] = dl[:, i].argmax(-1)
+    conf = np.concatenate([x, np.stack(embeds, 1)], -1) @ w[f"mtp.{m_last}.confidence_head.proj.weight"][0]
+    return dl, out, conf
