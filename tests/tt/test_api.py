@@ -88,11 +88,11 @@ ORACLE_PY = os.environ.get("TTNN_ORACLE_PYTHON", "/work/ttnn-venv/bin/python")
 def test_live_extraction_matches_committed_json(tmp_path):
     if not os.path.exists(ORACLE_PY):
         pytest.skip(f"no ttnn oracle interpreter at {ORACLE_PY} (set TTNN_ORACLE_PYTHON; see tools/ttnn_oracle/README.md)")
-    if subprocess.run([ORACLE_PY, "-c", "import ttnn"], capture_output=True, timeout=60).returncode:
-        pytest.skip(f"{ORACLE_PY} cannot import ttnn")
     out = tmp_path / "sig.json"
     r = subprocess.run([ORACLE_PY, str(ROOT / "tools" / "ttnn_oracle" / "extract_api.py"), str(out)],
                        capture_output=True, text=True, timeout=120)
+    if r.returncode and "No module named" in r.stderr:
+        pytest.skip(f"{ORACLE_PY} cannot run the extractor: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-2000:]
     fresh, committed = json.loads(out.read_text()), json.loads((ROOT / "tt_backend" / "api_signatures.json").read_text())
     assert fresh["ttnn_version"] == committed["ttnn_version"]

@@ -7,7 +7,6 @@ tools/ttnn_oracle/gen_golden.py) or from independent formulas written out in the
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -273,19 +272,9 @@ def test_errors_are_clear():
 ORACLE_PY = os.environ.get("TTNN_ORACLE_PYTHON", "/work/ttnn-venv/bin/python")
 
 
-def _oracle_available():
-    if not os.path.exists(ORACLE_PY):
-        return False, f"no ttnn oracle interpreter at {ORACLE_PY} (set TTNN_ORACLE_PYTHON; see tools/ttnn_oracle/README.md)"
-    r = subprocess.run([ORACLE_PY, "-c", "import ttnn, torch"], capture_output=True, timeout=60)
-    if r.returncode:
-        return False, f"{ORACLE_PY} cannot import ttnn and torch"
-    return True, ""
-
-
 def test_live_oracle_fresh_random_inputs(tmp_path):
-    ok, why = _oracle_available()
-    if not ok:
-        pytest.skip(why)
+    if not os.path.exists(ORACLE_PY):
+        pytest.skip(f"no ttnn oracle interpreter at {ORACLE_PY} (set TTNN_ORACLE_PYTHON; see tools/ttnn_oracle/README.md)")
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     inputs = {
         "x:mixed": (rng.standard_normal((3, 37, 50)) * np.exp(rng.uniform(-15, 15, (3, 37, 50)))).astype(np.float32),
@@ -295,6 +284,8 @@ def test_live_oracle_fresh_random_inputs(tmp_path):
     src, dst = tmp_path / "in.npz", tmp_path / "out.npz"
     np.savez(src, **inputs)
     r = subprocess.run([ORACLE_PY, str(ORACLE), str(src), str(dst)], capture_output=True, text=True, timeout=120)
+    if r.returncode and "No module named" in r.stderr:  # one interpreter start: imports are slow (torch)
+        pytest.skip(f"{ORACLE_PY} cannot run the oracle: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-2000:]
     out = np.load(dst)
     for name, x in inputs.items():
