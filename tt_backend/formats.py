@@ -33,6 +33,9 @@ Host rules found by probing the wheel (see tools/ttnn_oracle/README.md for the p
 * Padding: the last two dims are padded up to multiples of 32 (0-D and 1-D tensors become one row),
   with ``pad_value`` (default 0). A non-zero pad value shares blocks with real values and so changes
   their shared exponent.
+
+Not here (yet): jax.numpy versions of these functions (NumPy only), matmul fidelity masks (the
+emulator's business), bfloat2_b (the packers accept ``bits=1`` but nothing about it is verified).
 """
 
 from __future__ import annotations
