@@ -61,11 +61,22 @@ def _slice(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def fidelity_operands(a: np.ndarray, w: np.ndarray, fidelity: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The (activation, weight) slice pairs whose products a matmul of this fidelity sums."""
+    """The (activation, weight) operand pairs whose products a matmul of this fidelity sums.
+
+    Phases that share an activation slice are merged by adding their weight slices (the slices
+    are disjoint bit ranges, so their fp32 sum is exact): HiFi2 is one product, a_hi @ w[:10 bits].
+    """
     name = fidelity.rsplit(".", 1)[-1]
     if name not in _PHASES:
         raise ValueError(f"unknown math fidelity {fidelity!r}")
-    return [(_slice(a, *ab), _slice(w, *wb)) for wb, ab in _PHASES[name]]
+    by_act: dict[tuple, list] = {}
+    for wb, ab in _PHASES[name]:
+        by_act.setdefault(ab, []).append(wb)
+    out = []
+    for ab, wbs in by_act.items():
+        lo, hi = min(b[0] for b in wbs), max(b[1] for b in wbs)  # contiguous in every phase table
+        out.append((_slice(a, *ab), _slice(w, lo, hi)))
+    return out
 
 
 def matmul(a: np.ndarray, w: np.ndarray, level: str, cfg: dict | None) -> np.ndarray:

@@ -219,7 +219,10 @@ def paged_update_cache(env, cache, input_tensor, *, update_idxs_tensor, page_tab
 def _softmax_attend(env, q, k, v, allowed, scale, sink, cfg):
     """q [G, r, Tq, d] against k/v [G, Tk, d] (G kv heads, r query heads each); allowed [Tq, Tk] or
     [r?]; sink [G, r] logits or None. Scores fp32, softmax fp32, P rounded to bf16 before P@V at full."""
-    s = matmul(q, np.swapaxes(k, -1, -2)[:, None], env.level, cfg) * F32(scale)
+    G, r, Tq, d = q.shape
+    # [G, r*Tq, d] @ [G, d, Tk]: contiguous 3-D batches keep NumPy on its BLAS path
+    s = matmul(np.ascontiguousarray(q).reshape(G, r * Tq, d), np.ascontiguousarray(np.swapaxes(k, -1, -2)),
+               env.level, cfg).reshape(G, r, Tq, -1) * F32(scale)
     s = np.where(allowed, s, -np.inf)
     m = s.max(-1, keepdims=True)
     if sink is not None:
@@ -232,7 +235,7 @@ def _softmax_attend(env, q, k, v, allowed, scale, sink, cfg):
     p = np.where(den > 0, e / np.where(den > 0, den, 1), 0).astype(F32)
     if env.full:
         p = bf16(p)
-    return matmul(p, v[:, None], env.level, cfg)
+    return matmul(p.reshape(G, r * Tq, -1), np.ascontiguousarray(v), env.level, cfg).reshape(G, r, Tq, d)
 
 
 def _sink(attention_sink, H, K):
