@@ -159,6 +159,24 @@ def test_pow2ceil_and_e4m3_rne_helpers():
     np.testing.assert_array_equal(want, v.astype(ml_dtypes.float8_e4m3fn).astype(np.float64))
 
 
+def test_div_short_is_one_ieee_rounding():
+    """x / d for every positive e4m3 divisor (and 6), against NumPy's IEEE fp32 division."""
+    rng = np.random.default_rng(13)
+    d = np.concatenate([E4M3_POS[1:], [6.0]]).astype(np.float32)
+    x = (rng.standard_normal((d.size, 400)) * np.exp2(rng.integers(-60, 60, (d.size, 400)))).astype(np.float32)
+    x[:, :20] = ((E2M1_POS[1:] + E2M1_POS[:-1]) / 2).repeat(3)[:20] * d[:, None]  # exact ties of the quotient
+    x[:, 20:40] = np.nextafter(x[:, :20], np.float32(np.inf))
+    x[:, 40] = 0.0
+    x[:, 41] = -0.0
+    x[:, 42] = -x[:, 43]
+    want = x / d[:, None]
+    got = np.asarray(jax.jit(qdq._div_short)(x, d[:, None]))
+    normal = np.abs(want) >= 2.0 ** -126
+    np.testing.assert_array_equal(bits(got)[normal], bits(want)[normal])
+    np.testing.assert_array_equal(got[~normal], 0.0)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
 def test_e2m1_codes_all_midpoints():
     mids = ((E2M1_POS[1:] + E2M1_POS[:-1]) / 2).astype(np.float32)
     v = np.concatenate([mids, np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(7)),

@@ -11,9 +11,10 @@ tilelang kernels, `K41:<line>` = upstream kernel.py) operation for operation:
   then v = clamp(x / s, +-6), e2m1 round-to-nearest-even (ties to the even code), output e2m1(v) * s.
 
 Rounding is done explicitly (grid step from the fp32 exponent, `round` half-to-even), not by a float8 convert,
-so the result does not depend on how a backend implements f32->f8 conversion. Divisions by a power-of-two
-scale are exact, so only the e4m3-scale path divides inexactly; there the division is shielded from XLA's
-rewrite into a multiply by the reciprocal (which rounds twice and changed e2m1 ties in testing).
+so the result does not depend on how a backend implements f32->f8 conversion. Division by a power-of-two scale
+is a multiply by its exact reciprocal. The e4m3-scale path's two real divisions (amax / 6, x / s) are computed
+with integer arithmetic (`_div_short`), because neither XLA:CPU (reciprocal rewrite) nor XLA:GPU (non-IEEE
+fp32 divide) rounds `a / b` once, and those last bits decide e2m1/e4m3 ties.
 
 Known limit: XLA:CPU flushes float32 subnormals to zero. Inputs whose magnitude is below 2^-126 (bf16/fp32
 subnormals) can therefore differ from the torch kernel in the e8m0 FP4 path, and E8M0 scale bytes below
@@ -78,7 +79,7 @@ def e4m3_rne(v):
     """
     e = jnp.maximum(((_bits(v) >> 23) & 0xFF) - 127, -6)
     step = _from_bits((e - 3 + 127) << 23)
-    return jnp.round(v / step) * step  # jnp.round is half-to-even
+    return jnp.round(v * _recip_pow2(step)) * step  # exact scaling; jnp.round is half-to-even
 
 
 def e2m1_codes(v):
@@ -90,11 +91,38 @@ def e2m1_codes(v):
     return (code | (jnp.signbit(v).astype(jnp.int32) << 3)).astype(jnp.uint8)
 
 
-def _ieee_div(a, b):
-    """a / b rounded once, as IEEE division. XLA rewrites `a / broadcast(b)` and `a / constant` into
-    `a * (1/b)`, which rounds twice; the barrier hides the broadcast from that rewrite. (Divisions by a
-    power of two are left to the rewrite: their reciprocal is exact.)"""
-    return a / lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, F32), a.shape))
+def _recip_pow2(s):
+    """1/s for power-of-two fp32 s in [2^-126, 2^126], exact, from the exponent bits."""
+    return _from_bits((254 - ((_bits(s) >> 23) & 0xFF)) << 23)
+
+
+def _div_short(x, d):
+    """fl(x / d) rounded once to nearest even, for fp32 x and a positive normal fp32 divisor d with at most
+    4 significant bits (an e4m3 value, or 6). Results below 2^-126 come back as a signed zero.
+
+    Neither `a / b` nor `a * (1/b)` gives this on every backend: XLA rewrites division by a broadcast or a
+    constant into a multiply by the reciprocal (two roundings), and XLA:GPU's fp32 division is not IEEE
+    (~30% of random quotients differ in the last bit). Those last bits decide e2m1 / e4m3 ties, so the
+    mantissa quotient is computed with integer division instead.
+    """
+    xb = _bits(x)
+    db = jnp.broadcast_to(_bits(d), xb.shape)
+    ex = (xb >> 23) & 0xFF
+    mx = (xb & 0x7FFFFF) | 0x800000  # 24-bit significand
+    md = ((db & 0x7FFFFF) | 0x800000) >> 20  # 4-bit significand, 8..15
+    n = mx << 6  # < 2^30
+    q, r = n // md, n % md  # q in [2^25, 2^27): x/d = (q + r/md) * 2^(ex - ed - 26)
+    drop = 2 + (q >= (1 << 26)).astype(jnp.int32)  # bits below the 24 kept
+    keep = q >> drop
+    low = q & ((1 << drop) - 1)
+    half = 1 << (drop - 1)
+    up = (low > half) | ((low == half) & ((r != 0) | ((keep & 1) == 1)))
+    m = keep + up.astype(jnp.int32)
+    carry = m >> 24  # rounding overflowed to 2^24
+    m = m >> carry
+    eb = ex - ((db >> 23) & 0xFF) + 124 + drop + carry  # biased exponent of the result
+    mag = jnp.where((ex == 0) | (eb <= 0), 0, (jnp.minimum(eb, 255) << 23) | (m & 0x7FFFFF))
+    return _from_bits(mag | (xb & jnp.int32(-0x80000000)))
 
 
 def _blocked(x, block):
@@ -114,7 +142,7 @@ def act_quant_fp8(x, block: int = 32, return_scale: bool = False):
     xg = _blocked(x, block)
     amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), np.float32(ACT_AMAX_FLOOR))
     s = pow2ceil(amax * FP8_MAX_INV)
-    q = e4m3_rne(jnp.clip(xg / s[..., None], -FP8_MAX, FP8_MAX))
+    q = e4m3_rne(jnp.clip(xg * _recip_pow2(s)[..., None], -FP8_MAX, FP8_MAX))
     if return_scale:
         return q.astype(jnp.float8_e4m3fn).reshape(x.shape), s
     return (q * s[..., None]).reshape(x.shape).astype(x.dtype)
@@ -130,13 +158,13 @@ def fp4_act_quant(x, block: int = 32, scale_fmt: str = "e8m0", return_codes: boo
     amax = jnp.max(jnp.abs(xg), axis=-1)
     if scale_fmt == "e4m3":
         amax = jnp.maximum(amax, np.float32(FP4_E4M3_AMAX_FLOOR))  # K41:158-161
-        s = e4m3_rne(jnp.clip(_ieee_div(amax, np.float32(FP4_MAX)), -FP8_MAX, FP8_MAX))
+        s = e4m3_rne(jnp.clip(_div_short(amax, np.float32(FP4_MAX)), -FP8_MAX, FP8_MAX))
     elif scale_fmt == "e8m0":
         amax = jnp.maximum(amax, np.float32(FP4_E8M0_AMAX_FLOOR))  # K41:163-164
         s = pow2ceil(amax * FP4_MAX_INV)
     else:
         raise ValueError(f"scale_fmt must be 'e8m0' or 'e4m3', got {scale_fmt!r}")
-    v = _ieee_div(xg, s[..., None]) if scale_fmt == "e4m3" else xg / s[..., None]  # e8m0: exact either way
+    v = _div_short(xg, s[..., None]) if scale_fmt == "e4m3" else xg * _recip_pow2(s)[..., None]
     codes = e2m1_codes(jnp.clip(v, -FP4_MAX, FP4_MAX))
     if return_codes:
         return codes.reshape(x.shape), s
