@@ -273,7 +273,7 @@ def test_kept_quantized_table_and_wkv_equal_dequantised():
     common = {"q_weight": np.ones((n, D), np.float32), "k_weight": rng.standard_normal((n, D)).astype(np.float32)}
     dense = dict(common, table=dq.dequant_fp8_rows(tq, ts).astype(ml_dtypes.bfloat16),
                  wkv=dq.dequant_fp8_blocks(wq, ws, 32).T.astype(ml_dtypes.bfloat16))
-    quant = dict(common, table=tq, table_scale=ts, wkv=wq, wkv_scale=ws)
+    quant = dict(common, table=tq, table_scale=ts.view(ml_dtypes.float8_e8m0fnu), wkv=wq.view(np.uint8), wkv_scale=ws)
     X = rng.standard_normal((2, 3, n, D)).astype(ml_dtypes.bfloat16)
     cols = rng.integers(0, R, (2, 3, C))
     for aq in (False, True):

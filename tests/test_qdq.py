@@ -353,8 +353,12 @@ def test_dequant_fp8_all_bytes_bit_exact(block):
     assert_same_floats(got, want)
     # JAX dequant inside params: bit-exact where the product is a normal float32 (XLA:CPU flushes subnormals)
     normal = np.isfinite(want) & ((np.abs(want) >= 2.0 ** -126) | (want == 0)) & (s_el > 0)  # 2^-127: subnormal
-    jgot = np.asarray(jax.jit(lambda a, b: qdq.dequant_fp8(a, b, block))(w.view(ml_dtypes.float8_e4m3fn), grid))
-    np.testing.assert_array_equal(bits(jgot)[normal], bits(want)[normal])
+    jdq = jax.jit(lambda a, b: qdq.dequant_fp8(a, b, block))
+    for wq, sc in ((w.view(ml_dtypes.float8_e4m3fn), grid), (w, grid.view(ml_dtypes.float8_e8m0fnu))):
+        jgot = np.asarray(jdq(wq, sc))  # e4m3 as itself or raw bytes; E8M0 as bytes or float8_e8m0fnu
+        np.testing.assert_array_equal(bits(jgot)[normal], bits(want)[normal])
+    with pytest.raises(TypeError, match="raw bytes"):
+        qdq.dequant_fp8(w.view(ml_dtypes.float8_e4m3fn), grid.astype(np.float32), block)
 
 
 def test_dequant_fp8_shape_errors():

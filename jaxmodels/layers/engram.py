@@ -283,8 +283,8 @@ columns = hash_window  # name used by jaxmodels/deepseek.py
 def _gather_rows(p, cols, dtype):
     table = p["table"]
     if "table_scale" in p:  # kept FP8: dequantise only the gathered rows (REF41 ParallelEngramEmbedding)
-        rows = table[cols].astype(F32)
-        s = qdq.e8m0_to_f32(jnp.asarray(p["table_scale"])[cols].astype(jnp.uint8))
+        rows = qdq._as_e4m3(table)[cols].astype(F32)
+        s = qdq.e8m0_to_f32(qdq._as_u8(p["table_scale"])[cols])  # bytes, never a numeric cast
         rows = (rows.reshape(*rows.shape[:-1], s.shape[-1], -1) * s[..., None]).reshape(rows.shape)
         return rows.astype(jnp.bfloat16).astype(dtype)  # the reference's rows are bf16
     return table[cols].astype(dtype)

@@ -174,7 +174,22 @@ def fp4_act_quant(x, block: int = 32, scale_fmt: str = "e8m0", return_codes: boo
 # ---- weights kept quantized in the params ----
 
 def _as_u8(b):
-    return lax.bitcast_convert_type(b, jnp.uint8) if b.dtype == jnp.int8 else b.astype(jnp.uint8)
+    """Raw bytes of E8M0 scales / packed FP4: reinterpreted, never numerically cast (2^-7 would become 0)."""
+    b = jnp.asarray(b)
+    if b.dtype == jnp.uint8:
+        return b
+    if b.dtype in (jnp.int8, jnp.float8_e8m0fnu):
+        return lax.bitcast_convert_type(b, jnp.uint8)
+    raise TypeError(f"expected raw bytes (uint8 / int8 / float8_e8m0fnu), got {b.dtype}")
+
+
+def _as_e4m3(w):
+    w = jnp.asarray(w)
+    if w.dtype in (jnp.uint8, jnp.int8):
+        return lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
+    if w.dtype != jnp.float8_e4m3fn:
+        raise TypeError(f"expected float8_e4m3fn weights (or their raw bytes), got {w.dtype}")
+    return w
 
 
 def _block_pair(block):
@@ -184,6 +199,7 @@ def _block_pair(block):
 def dequant_fp8(w_q, w_scale, block=32, dtype=F32):
     """e4m3 [O, I] (float8_e4m3fn) + E8M0 bytes [ceil(O/Bo), ceil(I/Bi)] (uint8) -> dtype [O, I] (exact)."""
     bo, bi = _block_pair(block)
+    w_q = _as_e4m3(w_q)
     o, i = w_q.shape[-2:]
     want = (*w_q.shape[:-2], -(-o // bo), -(-i // bi))
     if tuple(w_scale.shape) != want:
