@@ -92,7 +92,7 @@ def test_mul_activations_and_add():
     a64 = a.astype(np.float64)
     silu = OPS["ttnn.mul"](env(), a, b, input_tensor_a_activations=["ttnn.UnaryOpType.SILU"])
     np.testing.assert_allclose(silu, a64 / (1 + np.exp(-a64)) * b, rtol=1e-5, atol=1e-6)
-    gelu = OPS["ttnn.mul"](env(), a, b, input_tensor_a_activations=["ttnn.UnaryOpType.GELU_APPROX"])
+    gelu = OPS["ttnn.mul"](env(), a, b, input_tensor_a_activations=["ttnn.UnaryOpType.GELU_TANH"])
     ref = 0.5 * a64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (a64 + 0.044715 * a64 ** 3))) * b
     np.testing.assert_allclose(gelu, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(OPS["ttnn.mul"](env(), a, input_tensor_b=0.25), a * 0.25)

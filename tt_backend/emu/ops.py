@@ -137,7 +137,7 @@ def ttnn_matmul(env, input_tensor_a, input_tensor_b, *, dtype=None, compute_kern
 _UNARY = {
     "ttnn.UnaryOpType.SILU": lambda x: x / (F32(1) + np.exp(-x)),
     "ttnn.UnaryOpType.GELU": lambda x: F32(0.5) * x * (F32(1) + _erf(x / np.sqrt(F32(2)))),
-    "ttnn.UnaryOpType.GELU_APPROX": lambda x: F32(0.5) * x * (F32(1) + np.tanh(
+    "ttnn.UnaryOpType.GELU_TANH": lambda x: F32(0.5) * x * (F32(1) + np.tanh(
         np.sqrt(F32(2 / np.pi)) * (x + F32(0.044715) * x ** 3))),
 }
 
