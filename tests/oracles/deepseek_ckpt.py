@@ -189,9 +189,9 @@ def write_checkpoint(dir: str, config: dict, seed: int = 0) -> None:
     def norm(name, key, size=None):
         bf16(name, NORM_MEAN[key] * (1 + 0.1 * randn(size or D)))
 
-    def linear(name, out_f, in_f, gain, fp8=True):
+    def linear(name, out_f, in_f, gain, fp8=True, value=None):
         """A dense linear: FP8 + 32×32 E8M0 when quantized (and `fp8`), else BF16."""
-        w = randn(out_f, in_f) * in_f ** -0.5 * gain
+        w = randn(out_f, in_f) * in_f ** -0.5 * gain if value is None else value
         if quant and fp8:
             q, s = quantize_fp8_blocks(w, B)
             out[name + ".weight"], out[name + ".scale"] = q, s
@@ -201,11 +201,23 @@ def write_checkpoint(dir: str, config: dict, seed: int = 0) -> None:
 
     def experts(prefix, n_exp):
         for e in range(n_exp):
-            for wn, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-                packed, s, deq = random_fp4(rng, o, i, GAIN[wn])
+            enc = {wn: random_fp4(rng, o, i, GAIN[wn]) for wn, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
+            # make the SwiGLU clamp fire (§6): channel 0's w1/w3 rows ×32 (pre-activations ~N(0, 10²)); its
+            # w2 column re-coded to ±0.5 and the first K group of w2 scaled by 2^-6 so the output stays O(1)
+            for wn in ("w1", "w3"):
+                packed, sc, deq = enc[wn]
+                sc[0] += 5
+                deq[0] *= 32
+            packed, sc, deq = enc["w2"]
+            codes = np.stack([packed.view(np.uint8) & 0xF, packed.view(np.uint8) >> 4], -1).reshape(D, I)
+            codes[:, 0] = np.where(rng.random(D) < 0.5, 1, 9)  # ±0.5
+            packed[:] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8).view(np.int8)
+            sc[:, 0] -= 6
+            deq[:] = _E2M1[codes] * np.ldexp(1.0, np.repeat(sc.astype(np.int64) - 127, 32, axis=1))
+            for wn, (packed, sc, deq) in enc.items():
                 name = f"{prefix}experts.{e}.{wn}"
                 if quant:
-                    out[name + ".weight"], out[name + ".scale"] = packed, s
+                    out[name + ".weight"], out[name + ".scale"] = packed, sc
                     e8m0.add(name + ".scale")
                 else:
                     bf16(name + ".weight", deq)
@@ -244,8 +256,14 @@ def write_checkpoint(dir: str, config: dict, seed: int = 0) -> None:
         f32(f + "gate.bias", 0.1 * randn(n_exp))
         f32(f + "gate.bias_vl", 0.1 * randn(n_exp))
         experts(f, n_exp)
+        # shared expert: the same clamp-firing channel 0 (rows ×27, w2 column ×1/300)
         for wn, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-            linear(f"{f}shared_experts.{wn}", o, i, GAIN[wn])
+            w = randn(o, i) * i ** -0.5 * GAIN[wn]
+            if wn == "w2":
+                w[:, 0] /= 300
+            else:
+                w[0] *= 27
+            linear(f"{f}shared_experts.{wn}", o, i, GAIN[wn], value=w)
 
     bf16("embed.weight", 0.12 * randn(V, D))
     lay = engram_layout(list(t["engram_layer_ids"]), t["engram_max_ngram_size"], t["engram_n_heads"],

@@ -265,11 +265,14 @@ class _Ctx:
 
     def __init__(self, ck, quant_sim):
         self.ck, self.cfg, self.w, self.qs = ck, ck.cfg, ck.w, quant_sim
+        self._wt = {}
 
     def lin(self, x, name):
         if self.qs and name in self.ck.qlin:
             x = act_quant(x, 32)
-        return x @ self.w[name].T
+        if name not in self._wt:  # contiguous W^T: much faster 2-D BLAS calls than x @ W.T
+            self._wt[name] = np.ascontiguousarray(self.w[name].T)
+        return (x.reshape(-1, x.shape[-1]) @ self._wt[name]).reshape(*x.shape[:-1], -1)
 
 
 def rope_freqs(rd, base, original_seq_len=0, factor=1.0, beta_fast=32, beta_slow=1):
