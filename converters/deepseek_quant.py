@@ -156,7 +156,8 @@ def dequant_wo_a(w_e4m3, scale_e8m0, block: int = 32, name: str = "attn.wo_a") -
         raise ValueError(f"{name}: wo_a must be [O, I] with both multiples of {block}, got {w.shape}")
     o, i = w.shape
     if b.shape != (o // block, i // block):
-        raise ValueError(f"{name}: scale shape {b.shape} does not match {w.shape} (expected {(o // block, i // block)})")
+        raise ValueError(f"{name}: scale shape {b.shape} does not match {w.shape} "
+                         f"(expected {(o // block, i // block)})")
     s = e8m0_to_float(b)
     y = w.astype(np.float32).reshape(o // block, block, i // block, block) * s[:, None, :, None]
     return y.reshape(o, i).astype(ml_dtypes.bfloat16)

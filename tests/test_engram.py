@@ -14,7 +14,6 @@ import pytest
 
 from converters import deepseek_quant as dq
 from jaxmodels.layers import engram as E
-from jaxmodels.layers import qdq
 
 REAL = dict(layer_ids=(1, 14), max_ngram=4, vocab_size=16_000_000, n_heads=8, compressed_vocab=99_092)
 REAL_MULT = {1: [76632096046245, 4839876093313, 35959672319349, 73987337458391],
@@ -173,7 +172,7 @@ def small_tokenizer():
     from tokenizers import Tokenizer, decoders, models
 
     vocab = ["hello", "Hello", "ĠHELLO", "hÃ©llo", "Ġ", "ĠĠ", "Ċ", "ĉ", "Ã", "©", "world", "ï¬ģ", "fi",
-             "ĠĠworld", "ÌģĠ", "Ìģ"]  # byte-level strings: "Ġ" = space, "Ċ" = \n, "ĉ" = \t, "Ã" = byte 0xC3 ...
+             "ĠĠworld", "ÌģĠ", "Ìģ"]  # byte-level: "Ġ" = space, "Ċ" = \n, "ĉ" = \t, "Ã" = byte 0xC3 ...
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[]))
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|PAD|>"])

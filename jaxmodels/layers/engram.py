@@ -33,7 +33,6 @@ C = (max_ngram-1)*n_heads = 24):
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
