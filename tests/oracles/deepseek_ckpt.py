@@ -25,7 +25,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from tests.oracles.deepseek_v41 import engram_layout, pow2ceil
+from tests.oracles.deepseek_v41 import INV448, _scale_from_fp32, engram_layout
 
 
 def stub_token_map(vocab: int) -> np.ndarray:
@@ -100,8 +100,7 @@ def quantize_fp8_blocks(w, block=32):
     wp = np.zeros((Rp, Cp), np.float32)
     wp[:R, :C] = w
     tiles = wp.reshape(Rp // block, block, Cp // block, block)
-    amax = np.maximum(np.abs(tiles).max(axis=(1, 3)), 1e-4)
-    s = pow2ceil(amax.astype(np.float64) * float(np.float32(1 / 448)))
+    s = _scale_from_fp32(np.abs(tiles).max(axis=(1, 3)), 1e-4, INV448)
     q = np.clip(tiles / s[:, None, :, None], -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
     return q.reshape(Rp, Cp)[:R, :C], _e8m0_bytes(s)
 
@@ -109,7 +108,7 @@ def quantize_fp8_blocks(w, block=32):
 def quantize_fp8_rows(w, block=32):
     """fp32 [R, C] -> (e4m3 [R, C], E8M0 bytes [R, C/B]): per-row groups of B (Engram table format)."""
     g = w.reshape(w.shape[0], -1, block)
-    s = pow2ceil(np.maximum(np.abs(g).max(-1), 1e-4).astype(np.float64) * float(np.float32(1 / 448)))
+    s = _scale_from_fp32(np.abs(g).max(-1), 1e-4, INV448)
     q = np.clip(g / s[..., None], -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
     return q.reshape(w.shape), _e8m0_bytes(s)
 

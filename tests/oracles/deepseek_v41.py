@@ -28,14 +28,22 @@ import numpy as np
 # §2 numerics building blocks
 # ----------------------------------------------------------------------------------------------------
 FP8_MAX, FP4_MAX = 448.0, 6.0
-INV448 = float(np.float32(1.0 / 448.0))  # the kernel multiplies by fp32 reciprocals (§2)
-INV6 = float(np.float32(1.0 / 6.0))
+INV448 = np.float32(1.0 / 448.0)  # the kernel multiplies by fp32 reciprocals (§2)
+INV6 = np.float32(1.0 / 6.0)
 
 
 def pow2ceil(y):
-    """2^ceil(log2(y)) for y > 0 (what fast_round_scale computes from the fp32 bits, §2)."""
+    """2^ceil(log2(y)) for y > 0."""
     m, e = np.frexp(np.asarray(y, dtype=np.float64))
     return np.ldexp(1.0, np.where(m == 0.5, e - 1, e))
+
+
+def _scale_from_fp32(amax, floor, inv):
+    """pow2ceil(fp32(max(amax, floor)) · fp32 constant), the product rounded to fp32 as `fast_round_scale`
+    sees it (K41:22-38). The fp32 rounding matters: amax = 1.75·2^m (common for bf16 data) times
+    fp32(1/448) rounds to exactly 2^(m-8) in fp32 but lies just above it in float64."""
+    a32 = np.maximum(np.asarray(amax, dtype=np.float64).astype(np.float32), np.float32(floor))
+    return pow2ceil((a32 * inv).astype(np.float32))
 
 
 def e4m3_rne(x):
@@ -57,13 +65,14 @@ def e2m1_rne(x):
 
 
 def act_quant(x, block=32, return_parts=False):
-    """FP8 QDQ along the last dim in blocks of `block` with UE8M0 scales (§2 act_quant, K41:41-113).
+    """FP8 QDQ along the last dim in blocks of `block` with UE8M0 scales (§2 act_quant, K41:41-113):
+    s = pow2ceil(max(amax, 1e-4) · fp32(1/448)), q = e4m3_rne(x / s) (saturating).
 
-    Returns the dequantised float64 array, or (q, s) with q the e4m3 values and s the power-of-2 scales."""
+    Returns the dequantised float64 array, or (q, s) with q the e4m3 values and s the power-of-2 scales.
+    Bit-exact to the reference kernel on bf16 inputs (x / s is exact: s is a power of two)."""
     x = np.asarray(x, dtype=np.float64)
     xg = x.reshape(*x.shape[:-1], -1, block)
-    amax = np.maximum(np.abs(xg).max(-1), 1e-4)
-    s = pow2ceil(amax * INV448)
+    s = _scale_from_fp32(np.abs(xg).max(-1), 1e-4, INV448)
     q = e4m3_rne(xg / s[..., None])
     if return_parts:
         return q.reshape(x.shape), s
@@ -74,17 +83,21 @@ def fp4_act_quant(x, block=32, scale_fmt="e8m0", return_parts=False):
     """FP4 (E2M1) QDQ along the last dim (§2 fp4_act_quant, K41:116-199).
 
     scale_fmt "e8m0" (indexer q/k, block 32): s = pow2ceil(max(amax, 6·2^-126) · fp32(1/6)).
-    scale_fmt "e4m3" (compressed KV, block 16): s = e4m3_rne(max(amax, 6·2^-9) / 6)."""
+    scale_fmt "e4m3" (compressed KV, block 16): s = e4m3_rne(fp32(max(amax, 6·2^-9) / 6)); here s is not a
+    power of two, so x / s is taken in fp32 as the kernel does (it decides E2M1 ties)."""
     x = np.asarray(x, dtype=np.float64)
     xg = x.reshape(*x.shape[:-1], -1, block)
     amax = np.abs(xg).max(-1)
     if scale_fmt == "e8m0":
-        s = pow2ceil(np.maximum(amax, 6 * 2.0 ** -126) * INV6)
+        s = _scale_from_fp32(amax, 6 * 2.0 ** -126, INV6)
+        v = xg / s[..., None]
     elif scale_fmt == "e4m3":
-        s = e4m3_rne(np.maximum(amax, 6 * 2.0 ** -9) / 6.0)
+        a32 = np.maximum(amax.astype(np.float32), np.float32(6 * 2.0 ** -9))
+        s = e4m3_rne((a32 / np.float32(6.0)).astype(np.float32))
+        v = (xg.astype(np.float32) / s[..., None].astype(np.float32)).astype(np.float64)
     else:
         raise ValueError(scale_fmt)
-    q = e2m1_rne(xg / s[..., None])
+    q = e2m1_rne(v)
     if return_parts:
         return q.reshape(x.shape), s
     return (q * s[..., None]).reshape(x.shape)
@@ -446,12 +459,12 @@ def engram_apply(ctx, X, ids, layer_id):
 # ----------------------------------------------------------------------------------------------------
 # §5 attention
 # ----------------------------------------------------------------------------------------------------
-def topk_mask(score, k):
-    """Boolean mask of the top-`k` entries along the last axis, never keeping -inf ones (the reference's
-    `-1` / dropped picks); ties -> lower index first."""
+def topk_mask(score, k, keep_neg_inf=False):
+    """Boolean mask of the top-`k` entries along the last axis, ties -> lower index first. -inf picks are
+    dropped unless `keep_neg_inf` (the indexer keeps them and filters by visibility instead, §5.4)."""
     order = np.argsort(-score, axis=-1, kind="stable")
     rank = np.argsort(order, axis=-1, kind="stable")  # inverse permutation: position of each entry
-    return (rank < k) & (score > -np.inf)
+    return (rank < k) if keep_neg_inf else (rank < k) & (score > -np.inf)
 
 
 def select_candidate_blocks(score, compress_lens, topk_blocks, block):
@@ -553,7 +566,11 @@ def attention(ctx, x, layer_id, sh):
                                                         cfg["candidate_block_size"])
             elif 0 <= cfg["candidate_source_layer"] < layer_id:
                 score = np.where(sh.candidates, score, -np.inf)
-            sh.topk = topk_mask(score, min(cfg["index_topk"], Nc))
+            # top-min(K, Nc) over ALL entries, then invisible picks -> -1 (REF41 Indexer.forward). A visible
+            # entry masked by the candidates (-inf) can be picked when fewer than kk are finite; the reference
+            # takes such -inf picks in an implementation-defined order, we take the lowest indices.
+            visible = np.arange(Nc)[None, None, :] < compress_lens[None, :, None]
+            sh.topk = topk_mask(score, min(cfg["index_topk"], Nc), keep_neg_inf=True) & visible
             sh.last_score = score
         elif idx_src:
             sh.topk = np.zeros((B, T, 0), bool)

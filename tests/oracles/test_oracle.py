@@ -111,6 +111,14 @@ def test_act_quant_and_fp4_act_quant():
     q16, s16 = O.fp4_act_quant(x, 16, "e4m3", return_parts=True)
     np.testing.assert_array_equal(s16, O.e4m3_rne(np.abs(x.reshape(5, 4, 16)).max(-1) / 6))
     assert np.all(O.fp4_act_quant(np.zeros((1, 32)), 32) == 0)
+    # the scale is computed from the fp32 product amax·fp32(1/448): for amax = 1.75·2^m that product rounds to
+    # exactly 2^(m-8) in fp32 (float64 would give 2^(m-7)); a bf16 input of amax 1.75 keeps q = 448
+    blk = np.full((1, 32), 0.5)
+    blk[0, 3] = 1.75
+    q, s = O.act_quant(blk, 32, return_parts=True)
+    assert s[0, 0] == 2.0 ** -8 and q[0, 3] == 448
+    q, s = O.fp4_act_quant(np.full((1, 32), 0.75) * np.r_[1, 2, np.ones(30)], 32, "e8m0", return_parts=True)
+    assert s[0, 0] == 0.25 and q[0, 1] == 6  # 1.5 · fp32(1/6) rounds to 0.25 in fp32
 
 
 def test_sinkhorn_doubly_stochastic():
