@@ -5,6 +5,8 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from converters.hf import import_params, import_sharded
 from converters.quant import MXFP4Reader
 from converters.safetensors_io import CheckpointError, SafetensorsReader, TorchReader
@@ -47,15 +49,22 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool = True
     if isinstance(cfg, DeepseekConfig):
         from converters import deepseek
 
-        token_map = _engram_map(tok) if cfg.engram_layer_ids and tok is not None else None
+        token_map = _engram_map(tok, cfg) if cfg.engram_layer_ids and tok is not None else None
         return cfg, deepseek.import_params(reader, cfg, dtype, progress, token_map), tok
     return cfg, import_params(reader, cfg, names, dtype, progress, skip=skip), tok
 
 
-def _engram_map(tok):
+def _engram_map(tok, cfg):
+    """Engram's token id -> normalised-class map, built from the checkpoint's own tokenizer (spec §7.1)."""
     from jaxmodels.layers import engram
 
-    return engram.build_compressed_token_map(tok.tok)
+    token_map, classes = engram.build_compressed_token_map(tok.tok)
+    if cfg.engram_compressed_vocab and classes != cfg.engram_compressed_vocab:
+        raise CheckpointError(f"the tokenizer normalises to {classes} classes, the config's "
+                              f"engram_compressed_vocab_size is {cfg.engram_compressed_vocab}")
+    if len(token_map) < cfg.vocab_size:  # ids past the tokenizer (padding rows of the embedding) hash as pad
+        token_map = np.concatenate([token_map, np.full(cfg.vocab_size - len(token_map), token_map[2], np.int32)])
+    return token_map
 
 
 def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32"):

@@ -399,14 +399,14 @@ def _engram_columns(cfg, params, tokens, positions, hist):
     seq = jnp.concatenate([hist, ids], axis=1)  # position p sits at column p - positions[:, 0] + n - 1
     window = jnp.stack([seq[:, n - 1 - s: n - 1 - s + tokens.shape[1]] for s in range(n)], axis=-1)
     pad = params["engram_map"][cfg.engram_pad_token]
-    return engram.columns(window, pad, _layout(cfg))
+    return engram.hash_window(window, pad, _layout(cfg))
 
 
 def _layout(cfg):
     from jaxmodels.layers import engram
 
     return engram.EngramLayout.from_config(cfg.engram_layer_ids, cfg.engram_max_ngram, cfg.engram_vocab_size,
-                                           cfg.engram_n_heads)
+                                           cfg.engram_n_heads, cfg.engram_compressed_vocab)
 
 
 def _stream(params, cfg: DeepseekConfig, tokens, positions, mode, cache=None, lengths=None):
@@ -440,7 +440,8 @@ def _stream(params, cfg: DeepseekConfig, tokens, positions, mode, cache=None, le
         if L.engram >= 0:
             from jaxmodels.layers import engram
 
-            X = engram.inject(lp["engram"], X, cols[:, :, L.engram], cfg.norm_eps)
+            X = engram.engram_inject(lp["engram"], X, cols[:, :, L.engram], None, cfg.norm_eps,
+                                     act_quant=_reference(cfg))
         if i in cfg.dspark_target_layers:
             mains.append(jnp.mean(X.astype(F32), axis=2))
         pA, qA, cA = mhc.mixes(X, lp["hc_attn"], **hc)

@@ -72,6 +72,7 @@ class DeepseekConfig:
     engram_n_heads: int = 0
     engram_head_dim: int = 0
     engram_layer_ids: tuple[int, ...] = ()
+    engram_compressed_vocab: int = 0  # classes of the normalised vocabulary (the hash multipliers depend on it)
     engram_pad_token: int = 2  # a raw token id; its compressed class pads the n-grams
     engram_rows: tuple[int, ...] = ()
     mtp_layers: int = 0  # V4: classic MTP blocks; V4.1: DSpark blocks
@@ -216,6 +217,7 @@ def config(hf: dict) -> DeepseekConfig:
         engram_max_ngram=t.get("engram_max_ngram_size", 0) if engram_ids else 0,
         engram_vocab_size=t.get("engram_vocab_size", 0), engram_n_heads=t.get("engram_n_heads", 0),
         engram_head_dim=t.get("engram_head_dim", 0), engram_layer_ids=engram_ids,
+        engram_compressed_vocab=t.get("engram_compressed_vocab_size", 0),
         engram_pad_token=int(t.get("engram_pad_token_id", t.get("engram_pad_id", 2))),
         engram_rows=tuple(t.get("engram_num_embeddings") or ()),
         mtp_layers=n_mtp, mtp_num_experts=t.get("dspark_n_routed_experts", 0) if dspark else 0,
