@@ -241,23 +241,39 @@ class Generator:
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, n_layers=None,
                               tt_data_parallel=1, optimizations: str | None = "performance", *,
-                              executor_factory=None, **kwargs):
+                              executor_factory=None, model=None, numerics: str = "full", block_size: int = 32,
+                              **kwargs):
         """One executor per data-parallel submesh, each for ``max_batch_size // tt_data_parallel`` users.
 
-        executor_factory(config, submesh, max_batch_size, max_seq_len, optimizations) -> Executor. It is
-        required: the emulated TT program's executor is built by `tt_backend` callers, not guessed here.
+        By default each submesh runs the NumPy emulator of the lowered TT program (`EmulatorExecutor`) on
+        `model` (a ``jaxmodels.Model``; loaded from ``hf_config["_name_or_path"]`` when not given), at
+        `numerics` and the precision policy `optimizations`. executor_factory(config, submesh,
+        max_batch_size, max_seq_len, optimizations) -> Executor replaces it (tests, other backends).
         """
         if max_batch_size % tt_data_parallel:
             raise ValueError(f"max_batch_size={max_batch_size} does not split over tt_data_parallel={tt_data_parallel}")
         if executor_factory is None:
-            raise ValueError("initialize_vllm_model needs executor_factory(config, submesh, max_batch_size, "
-                             "max_seq_len, optimizations) -> Executor")
-        cfg = _model_config(hf_config, n_layers)
+            if model is None:
+                path = _hf_dict(hf_config).get("_name_or_path") if not isinstance(hf_config, ModelConfig) else None
+                if not path:
+                    raise ValueError("initialize_vllm_model needs model= (a jaxmodels.Model), a checkpoint in "
+                                     "hf_config['_name_or_path'], or executor_factory")
+                import jaxmodels as jm
+
+                model = jm.load(path)
+            if n_layers is not None and n_layers != model.config.num_layers:
+                raise ValueError(f"n_layers={n_layers} needs a checkpoint of that depth for the emulator "
+                                 f"(the model has {model.config.num_layers} layers)")
+            executor_factory = emulator_factory(model, numerics=numerics, block_size=block_size)
+            cfg = model.config
+        else:
+            cfg = _model_config(hf_config, n_layers)
         mesh = mesh_device if isinstance(mesh_device, EmulatedMesh) else EmulatedMesh((1, int(mesh_device or 1)))
         submeshes = create_submeshes(mesh, tt_data_parallel)
         per = max_batch_size // tt_data_parallel
         executors = [executor_factory(cfg, s, per, max_seq_len, optimizations) for s in submeshes]
-        return cls(executors, mesh, max_batch_size=max_batch_size, max_seq_len=max_seq_len, **kwargs)
+        return cls(executors, mesh, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
+                   **kwargs)
 
     @property
     def cache_path(self):
@@ -436,6 +452,8 @@ class Generator:
                 user_tables.append(pc.raw_prefill_page_table(row, n_cached + padded, bs))
             else:
                 user_tables.append(pc.prefill_page_table(row, seq_len, n_cached + padded, bs))
+        written = [set(t[0, n_cached // bs:][t[0, n_cached // bs:] >= 0].tolist()) for t in user_tables]
+        _check_shared_writes(kv, dict(enumerate(written)))
         chunk = get_max_prefill_chunk_size(padded, self.max_prefill_chunk_size)
         if chunk < padded and any(modulo):
             raise NotImplementedError("chunked prefill is not supported with sliding rings (as in tt-metal)")
@@ -528,6 +546,13 @@ class Generator:
                 if (m and t.shape[1] * bs < m) or (not m and top // bs >= t.shape[1]):
                     raise ValueError(f"layer {layer}: a page table of {t.shape[1]} blocks of {bs} cannot address "
                                      f"{f'a ring of {m}' if m else f'position {top}'}")
+            writes = {}
+            for layer, (t, m) in enumerate(zip(r.page_tables, modulo)):
+                q = np.where(r.positions >= 0, r.positions % m if m else r.positions, -1)
+                rows = np.flatnonzero((q >= 0) & (q // bs < t.shape[1]))
+                blocks = t[rows, q[rows] // bs]
+                writes[layer] = {int(b) for b in blocks if b >= 0}
+            _check_shared_writes(kv_cache[i], writes)
             slots = range(i * self.max_batch_size_per_model, i * self.max_batch_size_per_model + len(r.tokens))
             logits = np.asarray(self.model[i].decode(
                 r.tokens.copy(), r.positions.copy(), page_tables=r.page_tables, kv_cache=kv_cache[i],
@@ -607,6 +632,25 @@ class Generator:
             r.positions[...] = r.positions[local]
 
 
+def _check_shared_writes(kv_layers, writes: dict[int, set[int]]) -> None:
+    """Layers sharing one buffer (one tensor_idx) must write disjoint blocks: writes = {layer: {block}}.
+
+    Without this, two sharers given the same page table overwrite each other's K/V (or read each other's
+    rows as their own) and no ownership check notices: the request owns the block for both layers.
+    """
+    groups: dict[int, list[int]] = {}
+    for layer, pair in enumerate(kv_layers):
+        groups.setdefault(id(pair[0]), []).append(layer)
+    for layers in groups.values():
+        seen: dict[int, int] = {}
+        for layer in layers:
+            for blk in writes.get(layer, ()):
+                if seen.setdefault(blk, layer) != layer:
+                    raise pc.PagedCacheError(
+                        f"layers {seen[blk]} and {layer} share a KV buffer (one tensor_idx) and both write block "
+                        f"{blk}: the sharers' page tables must map disjoint blocks")
+
+
 def _np_dtype(dtype):
     """Host storage for a requested cache dtype: NumPy dtypes pass through; TT/torch names store float32."""
     if dtype is None:
@@ -615,6 +659,56 @@ def _np_dtype(dtype):
         return np.dtype(dtype)
     except TypeError:
         return np.float32
+
+
+# ------------------------------------------------------------------------- emulator adapter
+class EmulatorExecutor:
+    """`Executor` over ``tt_backend.emu.executor.Executor`` (the NumPy emulation of the lowered TT program).
+
+    What that executor runs today bounds what this adapter accepts; the rest raises NotImplementedError
+    rather than running something else: whole prompts from position 0 (no chunked prefill or prefix
+    caching), one page table shared by all layers (its programs read a single ``page_table``), and
+    full-length caches for sliding layers (no rings). It builds its own prefill page table (the prompt's
+    blocks, -1 past them), so ``prefill_page_table_mode = "tt"`` has no effect through it.
+    """
+
+    def __init__(self, emu):
+        self.emu, self.config = emu, emu.config
+
+    @staticmethod
+    def _one_table(page_tables, modulo) -> np.ndarray:
+        if any(modulo):
+            raise NotImplementedError("the emulated TT program has no sliding rings (cache_position_modulo); "
+                                      "use hybrid_kv_cache_groups=False")
+        first = page_tables[0]
+        if any(t is not first and not np.array_equal(t, first) for t in page_tables[1:]):
+            raise NotImplementedError("the emulated TT program reads one page_table for all layers; per-layer "
+                                      "page tables that differ are not supported yet")
+        return first
+
+    def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
+                kv_cache, cache_position_modulo, owners):
+        if chunk_start or chunk_page_tables is not None:
+            raise NotImplementedError("the emulated TT program prefills whole prompts from position 0 (no chunked "
+                                      "prefill or prefix caching yet)")
+        row = self._one_table(page_tables, cache_position_modulo)[0]
+        return self.emu.prefill(np.asarray(tokens)[0, :valid_seq_len], row, kv_cache, owners=owners)[last_token_idx]
+
+    def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners):
+        pt = self._one_table(page_tables, cache_position_modulo)
+        return self.emu.decode(tokens, positions, pt, kv_cache, owners=owners)
+
+
+def emulator_factory(model, *, numerics: str = "full", block_size: int = 32):
+    """executor_factory for `initialize_vllm_model`: the emulator on `model`, the same weights on every submesh."""
+
+    def make(cfg, submesh, max_batch_size, max_seq_len, optimizations):
+        from tt_backend.emu.executor import Executor as EmuExecutor
+
+        return EmulatorExecutor(EmuExecutor(model, numerics=numerics, policy=optimizations or "performance",
+                                            max_seq_len=max_seq_len, block_size=block_size))
+
+    return make
 
 
 # --------------------------------------------------------------------------- model classes

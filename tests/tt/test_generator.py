@@ -566,3 +566,60 @@ def test_padded_prefill_lengths():
         G.get_max_prefill_chunk_size(300, 128)
 
 
+
+
+# ------------------------------------------------------------------------ emulated TT program
+LLAMA32 = {**LLAMA, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+
+
+def test_emulated_tt_program_through_the_generator():
+    """The default executor (the NumPy emulation of the lowered TT program, exact numerics) behind two DP
+    submeshes: prefill and decode logits equal jm.forward; what it cannot run yet is refused."""
+    import jaxmodels as jm
+
+    cfg = families.config_from_hf(LLAMA32)
+    params = _params(cfg, 7)
+    gen = G.LlamaForCausalLM.initialize_vllm_model(LLAMA32, G.EmulatedMesh((1, 2)), 4, 256, tt_data_parallel=2,
+                                                   model=jm.Model(cfg, params), numerics="exact")
+    assert all(isinstance(m, G.EmulatorExecutor) for m in gen.model)
+    kv = gen.allocate_kv_cache((16, 1, BS, 32), np.float32, 2)
+    allocs = [pc.BlockAllocator(16, order=np.random.default_rng(8 + s).permutation(16)) for s in range(2)]
+    reqs = ["p", "q", "r", "s"]
+    gen.track_block_ownership(allocs, reqs)
+    lens, steps = [20, 50, 7, 33], 3
+    seqs = [list(np.random.default_rng(20 + i).integers(0, 64, n + steps)) for i, n in enumerate(lens)]
+    for s, n in enumerate(lens):
+        allocs[s // 2].ensure(reqs[s], n + steps, BS)
+    pt = np.concatenate([allocs[s // 2].page_table([reqs[s]], 8) for s in range(4)])
+    tokens = np.zeros((4, 50), np.int32)
+    for s, n in enumerate(lens):
+        tokens[s, :n] = seqs[s][:n]
+    logits = gen.prefill_forward(tokens, page_table=pt, kv_cache=kv, prompt_lens=lens)
+    refs = [_reference(cfg, params, seqs[s]) for s in range(4)]
+    for s, n in enumerate(lens):
+        np.testing.assert_allclose(logits[s, 0], refs[s][n - 1], rtol=1e-4, atol=1e-4)
+    for t in range(steps):
+        pos = np.array(lens) + t
+        out = gen.decode_forward(np.array([seqs[s][pos[s]] for s in range(4)]), pos, page_table=pt, kv_cache=kv)
+        for s in range(4):
+            np.testing.assert_allclose(out[s, 0], refs[s][pos[s]], rtol=1e-4, atol=1e-4)
+    with pytest.raises(NotImplementedError, match="prefix caching"):
+        gen.prefill_forward(tokens[:1], page_table=pt[:1], kv_cache=kv, prompt_lens=[50], start_pos=[32])
+    with pytest.raises(NotImplementedError, match="one page_table for all layers"):
+        gen.decode_forward(np.zeros(4, np.int32), pos + 1, kv_cache=kv, page_tables_per_layer=[pt, pt[::-1]],
+                           enable_trace=False)
+
+
+def test_layers_sharing_a_buffer_must_not_share_blocks():
+    cfg = families.config_from_hf(LLAMA)
+    gen = _generator(G.Generator, cfg, [RecordingExecutor(cfg)], 2)
+    shape = (8, cfg.num_kv_heads, BS, cfg.head_dim)
+    kv = gen.allocate_kv_cache_per_layer([(shape, None, 0), (shape, None, 0)])
+    a = np.array([[0, 1], [2, 3]], np.int32)
+    b = np.array([[4, 5], [6, 7]], np.int32)
+    gen.decode_forward(np.array([1, 2]), np.array([3, 40]), kv_cache=kv, page_tables_per_layer=[a, b])
+    with pytest.raises(pc.PagedCacheError, match="layers 0 and 1 share a KV buffer"):
+        gen.decode_forward(np.array([1, 2]), np.array([3, 40]), page_table=a, kv_cache=kv, enable_trace=False)
+    with pytest.raises(pc.PagedCacheError, match="both write block 1"):
+        gen.prefill_forward(np.ones((1, 40), np.int32), kv_cache=kv, page_tables_per_layer=[a[:1], b[:1] * 0 + 1])
+    gen.prefill_forward(np.ones((1, 40), np.int32), kv_cache=kv, page_tables_per_layer=[a[:1], b[:1]])
