@@ -15,8 +15,18 @@ vllm-tt-plugin decode reload contract (``docs/DECODE_RELOAD_CONTRACT.md``):
   reset_sampling_state, prompt_tokens, output_tokens, slot_remap, page_tables_per_layer)``.
 * ``model_capabilities``, ``decode_input_update_contract = 1``, ``get_max_tokens_all_users``.
 
-What runs a forward pass is an `Executor` (one per submesh): the NumPy emulator of the lowered TT program
-or, in tests, a JAX reference. It reads and writes the paged caches through `tt_backend.paged_cache`.
+What runs a forward pass is an `Executor` (one per submesh, all sharing one set of weights). The default,
+`EmulatorExecutor`, runs the NumPy emulation of the lowered TT program (``tt_backend.Executor``); tests also
+use a JAX reference. Executors read and write the paged caches through `tt_backend.paged_cache`; the
+generator owns page-table construction, chunking, DP splitting, reload commands and trace bookkeeping.
+Cache buffers are host NumPy arrays (float32 unless a NumPy dtype is asked for); the emulator rounds what it
+writes to its precision policy's KV dtype (bfloat8_b by default), as the device would store it.
+
+Not done (raise rather than run something else): non-greedy device sampling and penalties
+(``prompt_tokens``/``output_tokens`` are accepted and unused), prefill traces, hidden-state returns,
+asynchronous readback (``read_from_device=False`` returns a handle that `read_decode_output` resolves, but
+nothing overlaps), multimodal inputs; the emulator additionally lacks chunked prefill, prefix caching,
+per-layer page tables and rings (see `EmulatorExecutor`).
 
 Deliberate differences from tt-metal (each guards a silent-corruption path it has):
 * A user's prefill page table holds only the blocks that cover its prompt; the padded tail's entries
@@ -43,7 +53,6 @@ from tt_backend import paged_cache as pc
 
 FALLBACK_MAX_TOKENS_ALL_USERS = 131_072  # tt-metal's ModelCapabilitiesMixin fallback
 MIN_PREFILL_CHUNK = 128  # chunked SDPA / prefill lengths are multiples of 128
-RELOAD_COMMANDS = ("reload_inputs", "reload_page_table", "reload_sampling_params", "reset_sampling_state")
 
 
 class TraceReplayError(ValueError):
@@ -75,7 +84,7 @@ class Executor(Protocol):
     def decode(self, tokens: np.ndarray, positions: np.ndarray, *, page_tables: Sequence[np.ndarray],
                kv_cache: Sequence[Sequence[np.ndarray]], cache_position_modulo: Sequence[int | None],
                owners: pc.RowOwners | None) -> np.ndarray:
-        """One token per user (``tokens``/``positions`` ``[b]``, position -1 = inactive row) -> logits ``[b, vocab]``."""
+        """One token per user (``tokens``/``positions`` ``[b]``; position -1: inactive row) -> logits ``[b, vocab]``."""
 
 
 # ----------------------------------------------------------------------------- cache specs
@@ -215,8 +224,7 @@ class Generator:
 
     def __init__(self, executors: Sequence[Executor], mesh_device: EmulatedMesh | None = None, *,
                  max_batch_size: int, max_seq_len: int, block_size: int | None = None,
-                 max_prefill_chunk_size: int = 4096, hybrid_kv_cache_groups: bool | None = None,
-                 kv_cache_dtype: str = "bfloat8_b"):
+                 max_prefill_chunk_size: int = 4096, hybrid_kv_cache_groups: bool | None = None):
         if not executors:
             raise ValueError("need at least one executor (one per data-parallel submesh)")
         self.model = list(executors)
@@ -230,7 +238,6 @@ class Generator:
         self.max_seq_len = max_seq_len
         self.block_size = block_size
         self.max_prefill_chunk_size = max_prefill_chunk_size
-        self.kv_cache_dtype = kv_cache_dtype  # the device storage dtype the emulator models (bfloat8_b default)
         self.hybrid_kv_cache_groups = (self._HYBRID_KV_CACHE_GROUPS_ENABLED if hybrid_kv_cache_groups is None
                                        else hybrid_kv_cache_groups)
         self._resident: list[_Resident | None] = [None] * self.data_parallel
@@ -291,7 +298,8 @@ class Generator:
         return self.allocate_kv_cache_per_layer([(kv_cache_shape, dtype, i) for i in range(num_layers)])
 
     def allocate_kv_cache_per_layer(self, per_layer_specs):
-        """``[submesh][layer][k|v]`` zero buffers ``[num_blocks, kv_heads, block_size, head_dim]``; one per tensor_idx."""
+        """``[submesh][layer][k|v]`` zero buffers ``[num_blocks, kv_heads, block_size, head_dim]``, one pair per
+        tensor_idx (sharers get the same arrays)."""
         if len(per_layer_specs) != self.config.num_layers:
             raise ValueError(f"{len(per_layer_specs)} per-layer specs for a model of {self.config.num_layers} layers")
         for layer, (shape, _, _) in enumerate(per_layer_specs):
@@ -328,6 +336,8 @@ class Generator:
             if lt not in ("sliding_attention", "full_attention"):
                 raise ValueError(f"unsupported layer_type {lt!r} at layer {i}; expected 'full_attention' or "
                                  "'sliding_attention'")
+            if hybrid and lt == "sliding_attention" and not tc.get("sliding_window"):
+                raise ValueError(f"layer {i} is sliding_attention but the config has no sliding_window")
             specs[f"model.layers.{i}.self_attn"] = (
                 SlidingWindowSpec(**common, sliding_window=tc["sliding_window"])
                 if hybrid and lt == "sliding_attention" else FullAttentionSpec(**common))
