@@ -139,11 +139,21 @@ def check_program(prog: TTProgram) -> None:
 
 # ---------------------------------------------------------------------------------- builder
 class _Builder:
-    def __init__(self, cfg: ModelConfig, prec: Precision, mode: str):
+    def __init__(self, cfg: ModelConfig, prec: Precision, mode: str, chunk_start: int = 0,
+                 per_layer_page_tables: bool = False, modulo: tuple = ()):
         self.cfg, self.prec, self.mode = cfg, prec, mode
         self.calls: list[TTCall] = []
         self.tensors: dict[str, TTTensorSpec] = {}
         self.mem = DRAM if mode == "prefill" else L1_WIDTH
+        self.chunk_start, self.per_layer, self.modulo = chunk_start, per_layer_page_tables, modulo
+
+    def page_table(self, i: int, chunk: bool = False) -> str:
+        """The page table layer i reads (one per layer for hybrid KV groups); `chunk`: the chunk's slice."""
+        return ("chunk_page_table" if chunk else "page_table") + (f".{i}" if self.per_layer else "")
+
+    def ring(self, i: int) -> int | None:
+        """cache_position_modulo of layer i's cache (a sliding ring), or None for a full-length cache."""
+        return self.modulo[i] if self.modulo else None
 
     def tensor(self, name, shape, dtype, layout=TILE_L, memory=None, kind="activation"):
         shape = tuple(shape)
@@ -233,21 +243,30 @@ def _attention(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int, rope_nam
     sdpa_kw = {"scale": scale, "sliding_window_size": a.window, "compute_kernel_config": _cc(prec.sdpa)}
     if a.sinks:
         sdpa_kw["attention_sink"] = Ref(b.weight(f"{L}.sinks", (1, 1, 1, H), BF16))
+    ring = {} if b.ring(i) is None else {"cache_position_modulo": b.ring(i)}
     if mode == "prefill":
         k8 = b.call("ttnn.typecast", [k], {"dtype": prec.kv_cache}, f"{n}.k8", b.tensors[k].shape, prec.kv_cache)
         v8 = b.call("ttnn.typecast", [v], {"dtype": prec.kv_cache}, f"{n}.v8", b.tensors[v].shape, prec.kv_cache)
+        fill_kw = {"batch_idx": 0, **ring}
+        if ring:  # a ring keeps the last `modulo` tokens: stop at the real length, not the padded one
+            fill_kw["valid_seq_len_tensor"] = Ref("valid_seq_len")
         for c, t in ((kc, k8), (vc, v8)):
-            b.call("ttnn.experimental.paged_fill_cache", [c, t, "page_table"], {"batch_idx": 0}, (), ())
-        o = b.call("ttnn.transformer.scaled_dot_product_attention", [q, k8, v8],
-                   {"is_causal": True, **sdpa_kw}, f"{n}.attn", (1, H, rows, d))
+            b.call("ttnn.experimental.paged_fill_cache", [c, t, b.page_table(i, chunk=b.chunk_start > 0)], fill_kw,
+                   (), ())
+        if b.chunk_start:  # later chunks attend to earlier ones through the cache
+            o = b.call("ttnn.transformer.chunked_scaled_dot_product_attention", [q, kc, vc, b.page_table(i)],
+                       {"chunk_start_idx": b.chunk_start, **sdpa_kw}, f"{n}.attn", (1, H, rows, d))
+        else:
+            o = b.call("ttnn.transformer.scaled_dot_product_attention", [q, k8, v8],
+                       {"is_causal": True, **sdpa_kw}, f"{n}.attn", (1, H, rows, d))
         o = b.call("ttnn.experimental.nlp_concat_heads", [o], {"memory_config": DRAM}, f"{n}.concat",
                    (1, 1, rows, H * d))
     else:
         for c, t in ((kc, k), (vc, v)):
             b.call("ttnn.experimental.paged_update_cache", [c, t],
-                   {"update_idxs_tensor": Ref("cur_pos"), "page_table": Ref("page_table")}, (), ())
+                   {"update_idxs_tensor": Ref("cur_pos"), "page_table": Ref(b.page_table(i)), **ring}, (), ())
         o = b.call("ttnn.transformer.paged_scaled_dot_product_attention_decode", [q, kc, vc],
-                   {"page_table_tensor": Ref("page_table"), "cur_pos_tensor": Ref("cur_pos"), **sdpa_kw,
+                   {"page_table_tensor": Ref(b.page_table(i)), "cur_pos_tensor": Ref("cur_pos"), **sdpa_kw, **ring,
                     "memory_config": L1_HEIGHT}, f"{n}.attn", (1, rows, H, d))
         o = b.call("ttnn.experimental.nlp_concat_heads_decode", [o], {"num_heads": H}, f"{n}.concat",
                    (1, 1, rows, H * d))
@@ -298,13 +317,19 @@ def _layer(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: d
 
 
 def _program(cfg: ModelConfig, prec: Precision, mode: str, rows: int, max_seq_len: int, block_size: int,
-             page_table_width: int) -> TTProgram:
-    b = _Builder(cfg, prec, mode)
+             page_table_width: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
+             modulo: tuple = ()) -> TTProgram:
+    b = _Builder(cfg, prec, mode, chunk_start if mode == "prefill" else 0, per_layer_page_tables, modulo)
     D, V, K, d = cfg.hidden_size, cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim
     users = 1 if mode == "prefill" else rows
     inputs = [b.tensor("tokens", (1, rows), U32, RM, DRAM, "input"),
-              b.tensor("rope_pos", (1, rows), U32, RM, DRAM, "input"),
-              b.tensor("page_table", (users, page_table_width), I32, RM, DRAM, "input")]
+              b.tensor("rope_pos", (1, rows), U32, RM, DRAM, "input")]
+    for i in range(cfg.num_layers) if per_layer_page_tables else [0]:
+        inputs.append(b.tensor(b.page_table(i), (users, page_table_width), I32, RM, DRAM, "input"))
+        if b.chunk_start:
+            inputs.append(b.tensor(b.page_table(i, chunk=True), (1, rows // block_size), I32, RM, DRAM, "input"))
+    if mode == "prefill" and any(m is not None for m in modulo):
+        inputs.append(b.tensor("valid_seq_len", (1,), I32, RM, DRAM, "input"))
     if mode == "decode":
         inputs.append(b.tensor("cur_pos", (rows,), I32, RM, DRAM, "input"))
     for i in range(cfg.num_layers):
@@ -346,28 +371,54 @@ def _program(cfg: ModelConfig, prec: Precision, mode: str, rows: int, max_seq_le
         out = b.call("ttnn.mul", [out], {"input_tensor_b": c, "memory_config": b.mem}, "logits.capped", (1, 1, rows, V))
     prog = TTProgram(mode, b.calls, b.tensors, tuple(inputs), (out,),
                      {"rows": rows, "block_size": block_size, "page_table_width": page_table_width,
+                      "chunk_start": b.chunk_start, "cache_position_modulo": list(modulo) or None,
                       "layer_outputs": [f"l{i}.out" for i in range(cfg.num_layers)]})
     check_program(prog)
     return prog
 
 
 def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int = MAX_DECODE_BATCH,
-          max_seq_len: int = 8192, block_size: int = 32, policy: str | Precision = "performance") -> TTModelProgram:
+          max_seq_len: int = 8192, block_size: int = 32, policy: str | Precision = "performance",
+          chunk_start: int = 0, per_layer_page_tables: bool = False,
+          cache_position_modulo: tuple[int | None, ...] | None = None) -> TTModelProgram:
     """The prefill program for a prompt of `prefill_len` tokens (padded to a multiple of 128) and
     the decode program for `batch` users, over paged caches of `block_size`-token blocks and
-    page tables wide enough for `max_seq_len` positions."""
+    page tables wide enough for `max_seq_len` positions.
+
+    chunk_start: the prefill is a later chunk of a longer prompt (or follows a cached prefix) starting
+    at this position; it attends to the earlier tokens through the cache
+    (`chunked_scaled_dot_product_attention`) and fills through a "chunk_page_table".
+    per_layer_page_tables: every layer reads its own "page_table.<i>" (hybrid KV-cache groups).
+    cache_position_modulo: per layer, the ring size of a sliding layer's cache (None = full length).
+    """
     check_config(cfg)
     check_decode_batch(batch)
     if block_size % TILE:
         raise TTConstraintError(f"block_size={block_size} is not a multiple of {TILE}")
     prec = get_policy(policy)
     S = padded_prefill_len(prefill_len)
-    if S > max_seq_len:
-        raise TTConstraintError(f"prefill of {S} (padded) tokens exceeds max_seq_len={max_seq_len}")
+    if chunk_start < 0 or chunk_start % block_size:
+        raise TTConstraintError(f"chunk_start={chunk_start} must be a non-negative multiple of block_size={block_size}")
+    if chunk_start + S > max_seq_len:
+        raise TTConstraintError(f"prefill of {S} (padded) tokens from {chunk_start} exceeds max_seq_len={max_seq_len}")
+    modulo = tuple(cache_position_modulo or ())
+    if modulo:
+        if len(modulo) != cfg.num_layers:
+            raise ValueError(f"cache_position_modulo has {len(modulo)} entries for {cfg.num_layers} layers")
+        for i, (m, spec) in enumerate(zip(modulo, cfg.layers)):
+            if m is None:
+                continue
+            w = spec.attention.window
+            if w is None or m < w or m % block_size:
+                raise TTConstraintError(f"layer {i}: a ring of {m} tokens needs a sliding layer with window <= {m} "
+                                        f"and a multiple of block_size={block_size} (window {w})")
+        if chunk_start:
+            raise NotImplementedError("chunked prefill into sliding rings is not supported (as in tt-metal)")
     width = math.ceil(max_seq_len / block_size)
+    opts = dict(per_layer_page_tables=per_layer_page_tables, modulo=modulo)
     return TTModelProgram(
-        prefill=_program(cfg, prec, "prefill", S, max_seq_len, block_size, width),
-        decode=_program(cfg, prec, "decode", batch, max_seq_len, block_size, width),
+        prefill=_program(cfg, prec, "prefill", S, max_seq_len, block_size, width, chunk_start, **opts),
+        decode=_program(cfg, prec, "decode", batch, max_seq_len, block_size, width, **opts),
         meta={"family": cfg.family, "policy": prec.name, "max_seq_len": max_seq_len, "block_size": block_size,
               "num_layers": cfg.num_layers, "kv_cache": {"shape": [None, cfg.num_kv_heads, block_size, cfg.head_dim],
                                                          "dtype": prec.kv_cache},

@@ -227,3 +227,98 @@ def test_emulator_vs_device():
     from tt_backend import ttnn_exec  # noqa: F401  (engineer A's executor; runs only with hardware)
 
     pytest.fail("device comparison not written yet: needs hardware to develop against")
+
+
+# ------------------------------------------------------------------- the generator's executor
+def _pt(blocks):
+    return np.asarray(blocks, np.int32)[None]
+
+
+def test_vllm_executor_chunked_prefill_and_per_layer_tables():
+    """Chunked prefill (a second 128-token chunk attends to the first through the cache), each layer
+    with its own physical blocks, then decode: equals jm.forward at exact, PCC-close at full."""
+    from tt_backend.emu.executor import VLLMExecutor
+
+    model = tiny_model("qwen3")
+    L, bs = model.config.num_layers, 32
+    tokens = np.random.default_rng(4).integers(0, 256, 256 + 8)
+    ref = _reference(model, tokens)
+    for numerics, tol in (("exact", None), ("full", 0.99)):
+        ex = VLLMExecutor(model, numerics=numerics, max_seq_len=512)
+        kv = ex.executor.allocate_kv_cache(40)
+        perm = np.random.default_rng(5).permutation(40)
+        rows = [_pt(perm[i * 16:(i + 1) * 16]) for i in range(L)]  # layer i: its own 16 blocks
+        common = dict(valid_seq_len=128, kv_cache=kv, cache_position_modulo=[None] * L, owners=None)
+        got = [ex.prefill(tokens[None, :128], chunk_start=0, last_token_idx=127, page_tables=[r[:, :4] for r in rows],
+                          chunk_page_tables=None, **common)]
+        got.append(ex.prefill(tokens[None, 128:256], chunk_start=128, last_token_idx=127, page_tables=rows,
+                              chunk_page_tables=[r[:, 4:8] for r in rows], **common))
+        for p in range(256, 264):
+            got.append(ex.decode(tokens[p:p + 1], np.array([p]), page_tables=rows, kv_cache=kv,
+                                 cache_position_modulo=[None] * L, owners=None)[0])
+        got = np.stack(got)
+        want = ref[[127, 255] + list(range(256, 264))]
+        if tol is None:
+            np.testing.assert_allclose(got, want, atol=3e-5)
+        else:
+            ok, p = comp_pcc(want, got, tol)
+            assert ok, p
+
+
+def test_vllm_executor_sliding_rings():
+    """Sliding layers in rings of 96 tokens (cache_position_modulo), full layers full-length, per-layer
+    tables; decode runs far past the ring size. exact == jm.forward."""
+    from tt_backend import paged_cache as pc
+    from tt_backend.emu.executor import VLLMExecutor
+
+    model = tiny_model("gemma3")  # layer 0 slides (window 48), layer 1 is full
+    bs, ring = 32, 96
+    T, n = 100, 140
+    tokens = np.random.default_rng(6).integers(0, 256, T + n)
+    ref = _reference(model, tokens)
+    ex = VLLMExecutor(model, numerics="exact", max_seq_len=256)
+    kv = ex.executor.allocate_kv_cache(16)
+    tables = [_pt([9, 4, 12]), _pt([0, 1, 2, 3, 5, 6, 7, 8])]
+    modulo = [ring, None]
+    full_row = pc.prefill_page_table(tables[1][0], T, 128, bs)
+    got = [ex.prefill(tokens[None, :T], chunk_start=0, last_token_idx=T - 1, valid_seq_len=T,
+                      page_tables=[tables[0], full_row], chunk_page_tables=None, kv_cache=kv,
+                      cache_position_modulo=modulo, owners=None)]
+    for p in range(T, T + n - 1):
+        got.append(ex.decode(tokens[p:p + 1], np.array([p]), page_tables=tables, kv_cache=kv,
+                             cache_position_modulo=modulo, owners=None)[0])
+    np.testing.assert_allclose(np.stack(got), ref[T - 1:T + n - 1], atol=3e-5)
+    # the ring never grew: blocks outside the sliding layer's three hold nothing of layer 0
+    untouched = np.setdiff1d(np.arange(16), [9, 4, 12])
+    assert not kv[0][0][untouched].any()
+
+
+def test_vllm_executor_ownership_is_enforced():
+    """A decode write into a block the row's request does not own raises, and writes nothing."""
+    from tt_backend import paged_cache as pc
+    from tt_backend.emu.executor import VLLMExecutor
+
+    model = tiny_model("llama")
+    ex = VLLMExecutor(model, numerics="exact", max_seq_len=256)
+    kv = ex.executor.allocate_kv_cache(8)
+    alloc = pc.BlockAllocator(8)
+    alloc.allocate("a", 2)
+    alloc.allocate("b", 2)
+    pt = alloc.page_table(["a"], 4)
+    pt[0, 2] = alloc.blocks_of("b")[0]  # position 64 would land in b's block
+    before = [k.copy() for k, _ in kv]
+    with pytest.raises(pc.BlockOwnershipError):
+        ex.decode(np.array([1]), np.array([64]), page_tables=[pt] * 2, kv_cache=kv, cache_position_modulo=[None] * 2,
+                  owners=pc.RowOwners(alloc, ["a"]))
+    assert all(np.array_equal(a, k) for a, (k, _) in zip(before, kv))
+
+
+def test_executor_factory_cuts_to_the_generators_layers():
+    from tt_backend.emu.executor import executor_factory
+
+    model = tiny_model("exaone4")
+    cfg2 = dataclasses.replace(model.config, layers=model.config.layers[:2])
+    ex = executor_factory(model, numerics="exact")(cfg2, None, 4, 256, "accuracy")
+    assert ex.config == cfg2 and ex.executor.policy.name == "accuracy"
+    with pytest.raises(ValueError, match="first layers"):
+        executor_factory(model)(tiny_config("llama"), None, 4, 256, "performance")

@@ -59,12 +59,14 @@ class Executor:
         self.kv_dtype = "ttnn.float32" if self.level == "exact" else self.policy.kv_cache
 
     # ------------------------------------------------------------------------------ programs
-    @functools.lru_cache(maxsize=16)
-    def program(self, mode: str, rows: int) -> TTProgram:
+    @functools.lru_cache(maxsize=32)
+    def program(self, mode: str, rows: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
+                cache_position_modulo: tuple | None = None) -> TTProgram:
         """The prefill program for `rows` (padded) tokens, or the decode program for `rows` users."""
-        kw = dict(max_seq_len=self.max_seq_len, block_size=self.block_size, policy=self.policy)
+        kw = dict(max_seq_len=self.max_seq_len, block_size=self.block_size, policy=self.policy,
+                  per_layer_page_tables=per_layer_page_tables, cache_position_modulo=cache_position_modulo)
         if mode == "prefill":
-            return lower(self.config, prefill_len=rows, batch=1, **kw).prefill
+            return lower(self.config, prefill_len=rows, batch=1, chunk_start=chunk_start, **kw).prefill
         return lower(self.config, prefill_len=1, batch=rows, **kw).decode
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
@@ -106,18 +108,31 @@ class Executor:
         tokens = np.asarray(tokens).reshape(-1)
         T = tokens.shape[0]
         S = padded_prefill_len(T)
-        if S > self.max_seq_len:
-            raise ValueError(f"prompt of {T} tokens pads to {S} > max_seq_len={self.max_seq_len}")
-        prog = self.program("prefill", S)
-        ids = np.zeros((1, S), np.uint32)
-        ids[0, :T] = tokens
         pt = paged_cache.prefill_page_table(page_table_row, T, S, self.block_size)
-        t = self.run(prog, {"tokens": ids, "rope_pos": np.arange(S, dtype=np.uint32)[None], "page_table": pt},
-                     kv_cache, owners)
+        t, prog = self._prefill(tokens, 0, [pt], None, None, T, kv_cache, owners)
         return t if return_all else _logits(t, prog)[:T]
 
-    def decode(self, tokens, positions, page_table, kv_cache, *, owners=None, return_all: bool = False):
-        """One token per user -> logits [B, vocab]."""
+    def _prefill(self, tokens, chunk_start, page_tables, chunk_page_tables, modulo, valid_len, kv_cache, owners):
+        T = tokens.shape[0]
+        S = padded_prefill_len(T)
+        if chunk_start + S > self.max_seq_len:
+            raise ValueError(f"prompt of {T} tokens from {chunk_start} pads to {chunk_start + S} > "
+                             f"max_seq_len={self.max_seq_len}")
+        per_layer = _per_layer(page_tables)
+        prog = self.program("prefill", S, chunk_start, per_layer, modulo)
+        ids = np.zeros((1, S), np.uint32)
+        ids[0, :T] = tokens
+        inputs = {"tokens": ids, "rope_pos": (chunk_start + np.arange(S, dtype=np.uint32))[None]}
+        inputs |= _tables("page_table", page_tables, per_layer, self.config.num_layers)
+        if chunk_start:
+            inputs |= _tables("chunk_page_table", chunk_page_tables, per_layer, self.config.num_layers)
+        if "valid_seq_len" in prog.inputs:
+            inputs["valid_seq_len"] = np.array([valid_len], np.int32)
+        return self.run(prog, inputs, kv_cache, owners), prog
+
+    def decode(self, tokens, positions, page_table, kv_cache, *, owners=None, return_all: bool = False,
+               cache_position_modulo: tuple | None = None):
+        """One token per user -> logits [B, vocab]. `page_table`: [B, W], or a list with one per layer."""
         tokens, positions = np.asarray(tokens).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
         B = tokens.shape[0]
         check_decode_batch(B)
@@ -125,11 +140,92 @@ class Executor:
             raise ValueError(f"{positions.shape[0]} positions for {B} tokens")
         if positions.max() >= self.max_seq_len:
             raise ValueError(f"position {positions.max()} >= max_seq_len={self.max_seq_len}")
-        prog = self.program("decode", B)
+        tables = list(page_table) if isinstance(page_table, (list, tuple)) else [page_table]
+        per_layer = _per_layer(tables)
+        prog = self.program("decode", B, 0, per_layer, cache_position_modulo)
         inputs = {"tokens": tokens.astype(np.uint32)[None], "rope_pos": np.maximum(positions, 0).astype(np.uint32)[None],
-                  "page_table": np.asarray(page_table, np.int32), "cur_pos": positions.astype(np.int32)}
+                  "cur_pos": positions.astype(np.int32)}
+        inputs |= _tables("page_table", tables, per_layer, self.config.num_layers)
         t = self.run(prog, inputs, kv_cache, owners)
         return t if return_all else _logits(t, prog)
+
+
+def _per_layer(tables) -> bool:
+    """One page table for all layers unless the per-layer tables differ (hybrid KV-cache groups)."""
+    return len(tables) > 1 and any(not np.array_equal(t, tables[0]) for t in tables[1:])
+
+
+def _tables(name: str, tables, per_layer: bool, n_layers: int) -> dict:
+    if per_layer:
+        if len(tables) != n_layers:
+            raise ValueError(f"{len(tables)} per-layer {name}s for {n_layers} layers")
+        return {f"{name}.{i}": np.asarray(t, np.int32) for i, t in enumerate(tables)}
+    return {name: np.asarray(tables[0], np.int32)}
+
+
+class VLLMExecutor:
+    """`tt_backend.generator.Executor` (the vLLM generator's per-submesh model) over the emulator.
+
+    prefill: one user's (chunk of a) padded prompt [1, S] from `chunk_start`, written through per-layer
+    page tables ([1, W]; `chunk_page_tables` for later chunks), `cache_position_modulo` per layer (sliding
+    rings) -> float32 logits [vocab] of `last_token_idx`. decode: tokens/positions [b] -> logits [b, vocab].
+    """
+
+    def __init__(self, model, *, numerics: str = "full", policy: str = "performance", max_seq_len: int = 8192,
+                 block_size: int = 32):
+        self.executor = Executor(model, numerics=numerics, policy=policy, max_seq_len=max_seq_len,
+                                 block_size=block_size)
+        self.config = model.config
+
+    @staticmethod
+    def _modulo(cache_position_modulo):
+        m = tuple(cache_position_modulo or ())
+        return m if any(x for x in m) else None
+
+    def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
+                kv_cache, cache_position_modulo, owners):
+        tokens = np.asarray(tokens).reshape(-1)
+        t, prog = self.executor._prefill(tokens, int(chunk_start), list(page_tables),
+                                         None if chunk_page_tables is None else list(chunk_page_tables),
+                                         self._modulo(cache_position_modulo), int(valid_seq_len), kv_cache, owners)
+        return _logits(t, prog)[int(last_token_idx)]
+
+    def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners):
+        return self.executor.decode(tokens, positions, list(page_tables), kv_cache, owners=owners,
+                                    cache_position_modulo=self._modulo(cache_position_modulo))
+
+
+def executor_factory(model, *, numerics: str = "full", policy: str | None = None, block_size: int = 32):
+    """For `tt_backend.generator.initialize_vllm_model(executor_factory=...)`: (config, submesh,
+    max_batch_size, max_seq_len, optimizations) -> VLLMExecutor over `model`'s params; `optimizations`
+    ("performance" / "accuracy") picks the precision policy unless `policy` is given."""
+
+    def make(config, submesh, max_batch_size, max_seq_len, optimizations="performance"):
+        check_decode_batch(max_batch_size)
+        pol = policy or (optimizations if isinstance(optimizations, str) else "performance")
+        return VLLMExecutor(first_layers(model, config), numerics=numerics, policy=pol, max_seq_len=max_seq_len,
+                            block_size=block_size)
+
+    return make
+
+
+def first_layers(model, config):
+    """`model` cut to `config` when config is model.config with only its first n layers (vLLM's n_layers)."""
+    import dataclasses
+
+    from jaxmodels.model import plan
+
+    if config == model.config:
+        return model
+    n = config.num_layers
+    if dataclasses.replace(model.config, layers=model.config.layers[:n]) != config:
+        raise ValueError("the generator's config is neither the model's nor its first layers")
+    layers = {str(k): _head(model.params["layers"][str(k)], c) for k, c in enumerate(plan(config).counts)}
+    return dataclasses.replace(model, config=config, params={**model.params, "layers": layers})
+
+
+def _head(tree, n):
+    return {k: _head(v, n) for k, v in tree.items()} if isinstance(tree, dict) else tree[:n]
 
 
 def _logits(t: dict, prog: TTProgram) -> np.ndarray:

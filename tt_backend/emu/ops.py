@@ -199,19 +199,24 @@ def _cache_rows(env, dtype: str):
 
 
 @op("ttnn.experimental.paged_fill_cache")
-def paged_fill_cache(env, cache, input_tensor, page_table, *, batch_idx=0):
-    """Raw tile copy through one page-table row (tt_backend.paged_cache semantics), in place."""
+def paged_fill_cache(env, cache, input_tensor, page_table, *, batch_idx=0, cache_position_modulo=None,
+                     valid_seq_len_tensor=None):
+    """Raw tile copy through one page-table row (tt_backend.paged_cache semantics), in place.
+    With a ring (cache_position_modulo), writing stops at valid_seq_len rounded up to whole blocks."""
+    valid = None if valid_seq_len_tensor is None else int(np.asarray(valid_seq_len_tensor).reshape(-1)[0])
     paged_cache.paged_fill_cache(cache, np.asarray(input_tensor, cache.dtype), np.asarray(page_table),
-                                 batch_idx=batch_idx, owners=env.owners)
+                                 batch_idx=batch_idx, cache_position_modulo=cache_position_modulo,
+                                 valid_seq_len=valid, owners=env.owners)
     return ()
 
 
 @op("ttnn.experimental.paged_update_cache")
-def paged_update_cache(env, cache, input_tensor, *, update_idxs_tensor, page_table):
+def paged_update_cache(env, cache, input_tensor, *, update_idxs_tensor, page_table, cache_position_modulo=None):
     """One token row per user, repacked into the cache dtype (rows are independent bfp blocks)."""
     q = _cache_rows(env, env.kv_dtype)
     paged_cache.paged_update_cache(cache, np.asarray(input_tensor, F32), update_idxs=np.asarray(update_idxs_tensor),
-                                   page_table=np.asarray(page_table), quantize=q, owners=env.owners)
+                                   page_table=np.asarray(page_table), cache_position_modulo=cache_position_modulo,
+                                   quantize=q, owners=env.owners)
     return ()
 
 
@@ -272,7 +277,7 @@ def paged_scaled_dot_product_attention_decode(env, input_tensor_q, input_tensor_
                                               page_table_tensor, cur_pos_tensor, scale=None,
                                               sliding_window_size=None, attention_sink=None,
                                               compute_kernel_config=None, program_config=None,
-                                              memory_config=None):
+                                              memory_config=None, cache_position_modulo=None):
     """q [1, B, H, d]; K/V paged caches; user b attends to its positions 0..cur_pos[b] (the last
     `sliding_window_size` of them when set). cur_pos -1 skips the user (output 0); -1 page-table
     entries read as zeros."""
@@ -284,12 +289,43 @@ def paged_scaled_dot_product_attention_decode(env, input_tensor_q, input_tensor_
         p = int(pos[b])
         if p < 0:
             continue
-        keys = paged_cache.gather_sequence(input_tensor_k, pt[b], p + 1)
-        vals = paged_cache.gather_sequence(input_tensor_v, pt[b], p + 1)
-        j = np.arange(p + 1)
-        allowed = (j > p - sliding_window_size) if sliding_window_size else np.ones(p + 1, bool)
+        if cache_position_modulo:  # a ring: slot s holds the latest position = s (mod ring) written so far
+            keys, j = paged_cache.gather_ring(input_tensor_k, pt[b], p, cache_position_modulo)
+            vals, _ = paged_cache.gather_ring(input_tensor_v, pt[b], p, cache_position_modulo)
+        else:
+            keys = paged_cache.gather_sequence(input_tensor_k, pt[b], p + 1)
+            vals = paged_cache.gather_sequence(input_tensor_v, pt[b], p + 1)
+            j = np.arange(p + 1)
+        allowed = (j >= 0) & (j <= p)
+        if sliding_window_size:
+            allowed &= j > p - sliding_window_size
         q = input_tensor_q[0, b].reshape(K, H // K, 1, d)
         o = _softmax_attend(env, q, keys, vals, allowed[None, :], scale if scale is not None else d**-0.5,
                             _sink(attention_sink, H, K), compute_kernel_config)
         out[0, b] = o.reshape(H, d)
     return out
+
+
+@op("ttnn.transformer.chunked_scaled_dot_product_attention")
+def chunked_scaled_dot_product_attention(env, input_tensor_q, input_tensor_k, input_tensor_v, page_table_tensor, *,
+                                         chunk_start_idx, scale=None, sliding_window_size=None, attention_sink=None,
+                                         compute_kernel_config=None, program_config=None, memory_config=None):
+    """A prefill chunk q [1, H, S, d] at positions chunk_start_idx.. against the paged K/V of positions
+    0..chunk_start_idx + S - 1 (earlier chunks and this one, already filled), causal."""
+    _, H, S, d = input_tensor_q.shape
+    K = input_tensor_k.shape[1]
+    row = np.asarray(page_table_tensor)[0]
+    n = chunk_start_idx + S
+    keys = paged_cache.gather_sequence(input_tensor_k, row, n)
+    vals = paged_cache.gather_sequence(input_tensor_v, row, n)
+    q = input_tensor_q[0].reshape(K, H // K, S, d)
+    sink, sc = _sink(attention_sink, H, K), scale if scale is not None else d**-0.5
+    out = np.empty((K, H // K, S, d), F32)
+    for r0 in range(0, S, 256):
+        r1 = min(S, r0 + 256)
+        i, j = chunk_start_idx + np.arange(r0, r1)[:, None], np.arange(n)[None, :]
+        allowed = j <= i
+        if sliding_window_size:
+            allowed &= j > i - sliding_window_size
+        out[:, :, r0:r1] = _softmax_attend(env, q[:, :, r0:r1], keys, vals, allowed, sc, sink, compute_kernel_config)
+    return out.reshape(1, H, S, d)
