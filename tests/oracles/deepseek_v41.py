@@ -1,19 +1,26 @@
 """Independent float64 NumPy oracle for the DeepSeek-V4.1 backbone (specs/deepseek_v4.md §2-§8).
 
-Written straight from the spec's formulas (checked against the upstream reference `inference/model.py`
-as vendored in tenstorrent/tt-metal) and deliberately sharing no code with `jaxmodels` / `converters`.
-Everything is float64. `quant_sim=True` adds the reference's simulated quantisation (§2, §12.9):
-FP8 activation QDQ per 32 before every FP8/FP4 linear, FP8 QDQ of the window KV, FP4 (E4M3/16) QDQ of
-the compressed KV and FP4 (E8M0/32) QDQ of the indexer q/k — still in float64, with no bf16 rounding
-anywhere (so it is NOT bit-exact to the bf16 reference; it is the same function without bf16 noise).
+Written from the spec's formulas, checked line by line against the upstream reference `inference/model.py`
+(as vendored in tenstorrent/tt-metal; where the two differ the reference is followed), and deliberately
+sharing no code with `jaxmodels` / `converters`. Everything is float64. `quant_sim=True` adds the
+reference's simulated quantisation (§2, §12.9): FP8 activation QDQ per 32 before every FP8/FP4 linear,
+FP8 QDQ of the window KV, FP4 (E4M3/16) QDQ of the compressed KV, FP4 (E8M0/32) QDQ of the indexer q/k.
+The QDQ functions are bit-exact to the reference kernels on bf16 inputs (scales from the fp32 product,
+as `fast_round_scale`), but nothing else is rounded to bf16, so quant_sim is the reference's function
+without its bf16 noise — not a bit-exact replay.
 
-Public pieces: `load_checkpoint`, `forward`, `dspark_forward`, `mixes_sinkhorn`, `engram_layout`,
-`engram_hashes`, `act_quant`, `fp4_act_quant`, `e4m3_rne`, `e2m1_rne`, `rope_freqs`.
+Public pieces: `load_checkpoint`, `forward`, `backbone` (logits + per-layer aux), `dspark_forward`,
+`hc_split_sinkhorn`, `mixes_sinkhorn`, `engram_layout`, `engram_hashes`, `act_quant`, `fp4_act_quant`,
+`e4m3_rne`, `e2m1_rne`, `rope_freqs`, `apply_rope`.
 
 Semantics: `forward` is the reference's single prefill chunk at start_pos 0 over [B, T] and returns the
-logits of every position (the reference keeps only the last; each position is causal, see the tests).
-Top-k ties (indexer scores, candidate blocks, router) break towards the LOWER index; the reference's
-tie order is implementation-defined (§12.15).
+logits of EVERY position (the reference keeps only the last); each position is causal, and the
+reference's own decode step reproduces the last position. Top-k ties (exact-zero indexer scores are
+common: relu of all heads = 0) break towards the LOWER index, like `jax.lax.top_k`; the reference's tie
+order is implementation-defined (§12.15). With quant_sim, two implementations that differ by float
+rounding (fp32 vs float64, bf16) occasionally land on the other side of a QDQ rounding boundary, and
+through top-k that can move later logits by O(0.1-1): compare quant_sim runs with a tolerance or by
+position statistics, plain runs tightly.
 """
 from __future__ import annotations
 
@@ -681,8 +688,12 @@ def backbone(ck, tokens, quant_sim=False, token_map=None):
 
 
 def forward(ckpt_dir, tokens, quant_sim=False, token_map=None):
-    """Float64 logits [B, T, vocab] of the V4.1 backbone (prefill semantics, every position)."""
+    """Float64 logits [B, T, vocab] of the V4.1 backbone (prefill semantics, every position); `ckpt_dir`
+    may also be a loaded `Checkpoint`. A 1-D token array gives [T, vocab]."""
     ck = ckpt_dir if isinstance(ckpt_dir, Checkpoint) else load_checkpoint(ckpt_dir)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if tokens.ndim == 1:
+        return backbone(ck, tokens[None], quant_sim, token_map)[0][0]
     return backbone(ck, tokens, quant_sim, token_map)[0]
 
 
