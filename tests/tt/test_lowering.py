@@ -199,13 +199,22 @@ def test_program_checker_catches_illegal_calls():
 
 
 # ------------------------------------------------------------------------- API conformance
+def _variants(family):
+    yield _lower(family)
+    yield _lower(family, chunk_start=128, per_layer_page_tables=True)  # chunked prefill, hybrid page tables
+    cfg = tiny_config(family)
+    if any(s.attention.window for s in cfg.layers):  # sliding rings
+        yield _lower(family, cache_position_modulo=tuple(96 if s.attention.window else None for s in cfg.layers))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_call_matches_the_real_ttnn_api(family):
     """Op names, keyword names and arity against signatures extracted from the ttnn wheel; every
     ttnn constant we name (dtypes, layouts, memory configs, enums) exists; compute kernel configs use
-    only WormholeComputeKernelConfig's fields."""
-    progs = _lower(family)
-    for prog in (progs.prefill, progs.decode):
+    only WormholeComputeKernelConfig's fields. Covers the plain, chunked/per-layer and ring variants."""
+    progs = [p for v in _variants(family) for p in (v.prefill, v.decode)]
+    assert {c.op for p in progs for c in p.calls} >= {"ttnn.linear", "ttnn.experimental.paged_update_cache"}
+    for prog in progs:
         for c in prog.calls:
             api.check_call(c.op, list(c.kwargs), n_positional=len(c.inputs))
             for k, v in c.kwargs.items():
@@ -262,3 +271,22 @@ def test_layer_spec_defaults_lower():
                       layers=(LayerSpec(mlp=MLPSpec(intermediate_size=64)),))
     progs = tt_backend.lower(cfg, batch=1)
     assert progs.decode.meta["rows"] == 1 and progs.prefill.meta["rows"] == 128
+
+
+def test_program_variants():
+    chunked = _lower("llama", chunk_start=128, per_layer_page_tables=True).prefill
+    ops = [c.op for c in chunked.calls]
+    assert "ttnn.transformer.chunked_scaled_dot_product_attention" in ops
+    assert "ttnn.transformer.scaled_dot_product_attention" not in ops
+    assert {"page_table.0", "page_table.1", "chunk_page_table.0"} <= set(chunked.inputs)
+    fills = [c for c in chunked.calls if c.op.endswith("paged_fill_cache")]
+    assert [c.inputs[2] for c in fills] == ["chunk_page_table.0"] * 2 + ["chunk_page_table.1"] * 2
+    ring = _lower("gemma3", cache_position_modulo=(96, None))
+    upd = [c.kwargs.get("cache_position_modulo") for c in ring.decode.calls if c.op.endswith("paged_update_cache")]
+    assert upd == [96, 96, None, None] and "valid_seq_len" in ring.prefill.inputs
+    with pytest.raises(TTConstraintError, match="ring of 32"):
+        _lower("gemma3", cache_position_modulo=(32, None))  # smaller than the window of 48
+    with pytest.raises(TTConstraintError, match="ring of 96"):
+        _lower("gemma3", cache_position_modulo=(None, 96))  # layer 1 is a full-attention layer
+    with pytest.raises(TTConstraintError, match="chunk_start=100"):
+        _lower("llama", chunk_start=100)
