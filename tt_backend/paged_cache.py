@@ -273,8 +273,8 @@ def paged_fill_cache(cache: np.ndarray, input_tensor: np.ndarray, page_table: np
 
 
 # -------------------------------------------------------------------------------------- update
-def paged_update_cache(cache: np.ndarray, input_tensor: np.ndarray, *, update_idxs: Sequence[int],
-                       page_table: np.ndarray | None = None, block_size: int | None = None,
+def paged_update_cache(cache: np.ndarray, input_tensor: np.ndarray, *, update_idxs: Sequence[int] | None = None,
+                       update_idxs_tensor: np.ndarray | None = None, page_table: np.ndarray | None = None, block_size: int | None = None,
                        num_kv_heads: int | None = None, cache_position_modulo: int | None = None,
                        owners: RowOwners | None = None,
                        quantize: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
@@ -282,10 +282,11 @@ def paged_update_cache(cache: np.ndarray, input_tensor: np.ndarray, *, update_id
 
     input_tensor: ``[1, B, heads_padded, head_dim]`` (decode K or V, heads padded to a tile); the first
     `num_kv_heads` (default: the cache's) rows are written. update_idxs [B]: the position of each
-    user's token, ``-1`` skips the user. Paged (page_table given): position p (after
-    ``p %= cache_position_modulo``) goes to block ``page_table[b, p // block_size]``, row
-    ``p % block_size``; a ``-1`` entry skips the write (tt-metal PR #45079). Unpaged: `cache` is
-    ``[B, heads, max_seq, head_dim]`` and p goes to ``cache[b, :, p]``.
+    user's token, ``-1`` skips the user (ttnn takes it as a list or as ``update_idxs_tensor``; give one).
+    Paged (page_table given): position p (after ``p %= cache_position_modulo``) goes to block
+    ``page_table[b, p // block_size]``, row ``p % block_size``; a ``-1`` entry skips the write (tt-metal
+    PR #45079; the update kernels without that change have no such check and write out of bounds).
+    Unpaged: `cache` is ``[B, heads, max_seq, head_dim]`` and p goes to ``cache[b, :, p]``.
     quantize: the cache dtype's packing of one token row (the op repacks into the cache dtype; rows are
     independent blocks, so other tokens are untouched); None stores the values as they are.
     """
@@ -293,10 +294,13 @@ def paged_update_cache(cache: np.ndarray, input_tensor: np.ndarray, *, update_id
     x = np.asarray(input_tensor)
     if x.ndim != 4 or x.shape[0] != 1:
         raise PagedCacheError(f"input_tensor must be [1, batch, heads_padded, head_dim], got {x.shape}")
-    if x.dtype.kind != "f" and "bfloat16" not in str(x.dtype):
-        raise PagedCacheError(f"paged_update_cache input must be float32 or bfloat16, got {x.dtype}")
+    if x.dtype != np.float32 and str(x.dtype) != "bfloat16":
+        raise PagedCacheError(f"paged_update_cache input must be float32 or bfloat16 (the op repacks into the "
+                              f"cache dtype), got {x.dtype}")
+    if (update_idxs is None) == (update_idxs_tensor is None):
+        raise PagedCacheError("give exactly one of update_idxs and update_idxs_tensor")
     B = x.shape[1]
-    idxs = np.asarray(update_idxs).reshape(-1)
+    idxs = np.asarray(update_idxs if update_idxs is not None else update_idxs_tensor).reshape(-1)
     if idxs.shape[0] != B:
         raise PagedCacheError(f"{idxs.shape[0]} update indices for a batch of {B}")
     nh = cache.shape[1] if num_kv_heads is None else int(num_kv_heads)

@@ -116,7 +116,7 @@ def test_update_matches_dense_reference_and_skips():
 def test_update_unpaged_and_quantize_hook():
     cache = np.zeros((2, H, 64, D), np.float32)
     x = np.arange(2 * 32 * D, dtype=np.float32).reshape(1, 2, 32, D)
-    pc.paged_update_cache(cache, x, update_idxs=[3, -1], quantize=np.floor)
+    pc.paged_update_cache(cache, x, update_idxs_tensor=np.array([3, -1], np.int32), quantize=np.floor)
     np.testing.assert_array_equal(cache[0, :, 3], x[0, 0, :H])
     assert (cache[1] == 0).all() and np.count_nonzero(cache) == np.count_nonzero(x[0, 0, :H])
 
@@ -126,13 +126,14 @@ def test_update_unpaged_and_quantize_hook():
     (dict(update_idxs=[3, 3], same_block=True), "both write block"),
     (dict(update_idxs=[0]), "update indices for a batch of 2"),
     (dict(update_idxs=[0, 1], int_input=True), "float32 or bfloat16"),
+    (dict(update_idxs=[0, 1], f64_input=True), "float32 or bfloat16"),
     (dict(update_idxs=[0, -2]), "negative position"),
 ])
 def test_update_rejects_bad_input(kw, msg):
     pt = np.array([[0, 1], [2, 3]], np.int32)
     if kw.get("same_block"):
         pt = np.array([[0, 1], [0, 3]], np.int32)
-    x = np.ones((1, 2, 32, D), np.int32 if kw.get("int_input") else np.float32)
+    x = np.ones((1, 2, 32, D), np.int32 if kw.get("int_input") else np.float64 if kw.get("f64_input") else np.float32)
     cache = _cache(4)
     with pytest.raises(pc.PagedCacheError, match=msg):
         pc.paged_update_cache(cache, x, update_idxs=kw["update_idxs"], page_table=pt)
