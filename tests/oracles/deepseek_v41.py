@@ -78,8 +78,8 @@ def act_quant(x, block=32, return_parts=False):
     Returns the dequantised float64 array, or (q, s) with q the e4m3 values and s the power-of-2 scales.
     Bit-exact to the reference kernel on bf16 inputs (x / s is exact: s is a power of two)."""
     x = np.asarray(x, dtype=np.float64)
-    xg = x.reshape(*x.shape[:-1], -1, block)
-    s = _scale_from_fp32(np.abs(xg).max(-1), 1e-4, INV448)
+    xg = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    s = _scale_from_fp32(np.abs(xg).max(-1, initial=0.0), 1e-4, INV448)
     q = e4m3_rne(xg / s[..., None])
     if return_parts:
         return q.reshape(x.shape), s
@@ -93,8 +93,8 @@ def fp4_act_quant(x, block=32, scale_fmt="e8m0", return_parts=False):
     scale_fmt "e4m3" (compressed KV, block 16): s = e4m3_rne(fp32(max(amax, 6·2^-9) / 6)); here s is not a
     power of two, so x / s is taken in fp32 as the kernel does (it decides E2M1 ties)."""
     x = np.asarray(x, dtype=np.float64)
-    xg = x.reshape(*x.shape[:-1], -1, block)
-    amax = np.abs(xg).max(-1)
+    xg = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = np.abs(xg).max(-1, initial=0.0)
     if scale_fmt == "e8m0":
         s = _scale_from_fp32(amax, 6 * 2.0 ** -126, INV6)
         v = xg / s[..., None]
