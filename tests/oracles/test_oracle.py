@@ -200,7 +200,7 @@ def test_causality(tiny, quant_sim):
 
 def test_every_feature_moves_the_logits(tiny):
     ck, _ = tiny
-    toks = TOKS[:, :24]  # > 12: layer 3's compressed length exceeds 3 blocks × 4, so candidates bite
+    toks = TOKS[:, :16]  # > 12: layer 3's compressed length exceeds 3 blocks × 4, so candidates bite
     base = O.forward(ck, toks)
 
     def variant(cfg_over=None, w_over=None):
