@@ -218,7 +218,10 @@ class Generator:
     """Data-parallel replicas over paged KV caches; the vLLM entry points live here and in subclasses."""
 
     decode_input_update_contract = 1
-    model_capabilities: dict = {"supports_prefix_caching": True}
+    # vLLM reads this off the class. start_pos (prefix caching) works in the generator, but the default
+    # executor (the emulated TT program) cannot prefill from a cached prefix yet, so it is not advertised.
+    # No supports_async_decode / supports_sample_on_device: only greedy argmax runs "on device".
+    model_capabilities: dict = {"supports_prefix_caching": False}
     _HYBRID_KV_CACHE_GROUPS_ENABLED = False
     prefill_page_table_mode = "safe"  # "tt": tt-metal's per-user page table (pad tail through the vLLM row)
 
@@ -725,12 +728,10 @@ def emulator_factory(model, *, numerics: str = "full", block_size: int = 32):
 class HybridAttentionForCausalLM(Generator):
     """Mixed sliding/full attention (Gemma3, EXAONE 4.5, GPT-OSS): per-layer page tables, no prefix caching."""
 
-    model_capabilities = {"supports_prefix_caching": False}
+    model_capabilities = {"supports_prefix_caching": False}  # sliding window: no prefix caching (as tt-metal)
 
 
 class LlamaForCausalLM(Generator):
-    model_capabilities = {"supports_prefix_caching": True}
-
     @classmethod
     def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
                                  is_wormhole: bool = True, **kwargs) -> int:
@@ -740,8 +741,6 @@ class LlamaForCausalLM(Generator):
 
 
 class QwenForCausalLM(Generator):
-    model_capabilities = {"supports_prefix_caching": True}
-
     @classmethod
     def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
                                  is_wormhole: bool = True, **kwargs) -> int:
@@ -754,8 +753,6 @@ class QwenForCausalLM(Generator):
 
 
 class MistralForCausalLM(Generator):
-    model_capabilities = {"supports_prefix_caching": True}
-
     @classmethod
     def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
                                  is_wormhole: bool = True, **kwargs) -> int:
@@ -765,7 +762,7 @@ class MistralForCausalLM(Generator):
 
 
 class CohereForCausalLM(Generator):
-    model_capabilities = {"supports_prefix_caching": True}
+    pass
 
 
 class Gemma3ForCausalLM(HybridAttentionForCausalLM):
