@@ -423,6 +423,9 @@ class Generator:
         bs = self._require_block_size()
         modulo = self.cache_position_modulo()
         vocab = self.config.vocab_size
+        for r in self._resident:  # the first decode after a prefill is a transition: inputs must be reloaded
+            if r is not None:
+                r.device_sampled = False
         out = np.zeros((B, 1, vocab), np.float32)
         for idx, slot in enumerate(empty_slots):
             if not 0 <= slot < self.max_batch_size:
@@ -527,7 +530,8 @@ class Generator:
             table_parts = [pc.chunk_batch(t, dp) for t in tables]  # [layer][submesh]
         if not reload_inputs and any(r is None or not r.device_sampled for r in self._resident):
             raise ReloadContractError("reload_inputs=False but no resident decode inputs are valid: the previous "
-                                      "decode did not sample on device (or there was none since allocation)")
+                                      "decode did not sample on device, a prefill came in between, or there "
+                                      "was no decode yet")
         if slot_remap is not None:
             self._apply_slot_remap(slot_remap)
 

@@ -394,6 +394,11 @@ def test_resident_inputs_need_a_device_sampled_step():
     gen.decode_forward(np.array([1, 2]), np.array([3, 4]), page_table=PT, kv_cache=kv)  # host sampling
     with pytest.raises(G.ReloadContractError, match="did not sample on device"):
         gen.decode_forward(None, None, kv_cache=kv, reload_inputs=False)
+    gen.decode_forward(np.array([1, 2]), np.array([3, 4]), page_table=PT, kv_cache=kv, sampling_params=GREEDY)
+    gen.decode_forward(None, None, kv_cache=kv, reload_inputs=False, sampling_params=GREEDY)  # steady: fine
+    gen.prefill_forward(np.ones((1, 8), np.int32), page_table=PT[:1], kv_cache=kv, empty_slots=[1])
+    with pytest.raises(G.ReloadContractError, match="a prefill came in between"):
+        gen.decode_forward(None, None, kv_cache=kv, reload_inputs=False, sampling_params=GREEDY)
 
 
 def test_steady_device_decode_and_page_table_only_refresh():
