@@ -316,3 +316,23 @@ def test_allocator_exhaustion_release_and_page_tables():
         alloc.release("a")
     with pytest.raises(ValueError, match="permutation"):
         pc.BlockAllocator(3, order=[0, 0, 1])
+
+
+def test_positions_past_4k_and_an_undersized_page_table():
+    """Long contexts: positions past 4096 resolve through a wide page table; a table one block short of
+    the position is refused (on the device it reads past the row: the >4K decode hangs, #21565)."""
+    width = 5120 // BS
+    pt = np.random.default_rng(9).permutation(width + 4)[:width].astype(np.int32)[None]
+    cache = np.zeros((width + 4, H, BS, D), np.float32)
+    written = {}
+    for p in (0, 4095, 4096, 4097, 5119):
+        x = np.full((1, 1, 32, D), p + 1, np.float32)
+        pc.paged_update_cache(cache, x, update_idxs=[p], page_table=pt)
+        written[p] = p + 1
+    seq = pc.gather_sequence(cache, pt[0], 5120)
+    assert {int(p) for p in np.flatnonzero(seq[0, :, 0])} == set(written)
+    for p, v in written.items():
+        assert (seq[:, p] == v).all()
+    with pytest.raises(pc.PagedCacheError, match="position 4096 needs logical block 128"):
+        pc.paged_update_cache(cache, np.ones((1, 1, 32, D), np.float32), update_idxs=[4096],
+                              page_table=pt[:, :4096 // BS])
