@@ -66,18 +66,23 @@ def tiny_model(name: str, seed: int = 0) -> jm.Model:
     rng = np.random.default_rng(seed)
     gemma = cfg.norm == "gemma"
 
-    def init(path, x):
-        leaf = jax.tree_util.keystr(path).split("'")[-2]
+    def init(leaf, shape):
         if "norm" in leaf:
-            return (0.0 if gemma else 1.0) + 0.1 * rng.standard_normal(x.shape, np.float32)
+            return (0.0 if gemma else 1.0) + 0.1 * rng.standard_normal(shape, np.float32)
         if leaf == "sinks":
-            return rng.standard_normal(x.shape, np.float32)
+            return rng.standard_normal(shape, np.float32)
         if leaf.startswith("b"):
-            return 0.5 * rng.standard_normal(x.shape, np.float32)
-        return 0.05 * rng.standard_normal(x.shape, np.float32)
+            return 0.5 * rng.standard_normal(shape, np.float32)
+        return 0.05 * rng.standard_normal(shape, np.float32)
 
-    params = jax.tree_util.tree_map_with_path(init, M.init_params(cfg))
-    return jm.Model(cfg, jax.tree.map(np.asarray, params))
+    params: dict = {}
+    for path, shape in M.flat_shapes(cfg).items():  # NumPy only: no JAX work to build a tiny model
+        *parents, leaf = path.split("/")
+        node = params
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = init(leaf, shape)
+    return jm.Model(cfg, params)
 
 
 def topk_agreement(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
