@@ -34,8 +34,8 @@ MAX_TOPK_K = 32  # ttnn.sampling: k in (0, 32]
 BF16, BFP8, BFP4, F32, U32, I32 = ("ttnn.bfloat16", "ttnn.bfloat8_b", "ttnn.bfloat4_b", "ttnn.float32",
                                    "ttnn.uint32", "ttnn.int32")
 TILE_L, RM = "ttnn.TILE_LAYOUT", "ttnn.ROW_MAJOR_LAYOUT"
-DRAM, L1_WIDTH, L1_HEIGHT = ("ttnn.DRAM_MEMORY_CONFIG", "ttnn.L1_WIDTH_SHARDED_MEMORY_CONFIG",
-                             "ttnn.L1_HEIGHT_SHARDED_MEMORY_CONFIG")
+# ttnn memory-config attribute names (ttnn.<name>), as tt_backend.ttnn_exec resolves them
+DRAM, L1_WIDTH, L1_HEIGHT = "DRAM_MEMORY_CONFIG", "L1_WIDTH_SHARDED_MEMORY_CONFIG", "L1_HEIGHT_SHARDED_MEMORY_CONFIG"
 ACTIVATIONS = {"silu": "ttnn.UnaryOpType.SILU", "gelu_tanh": "ttnn.UnaryOpType.GELU_TANH",
                "gelu": "ttnn.UnaryOpType.GELU"}
 

@@ -32,7 +32,7 @@ class TTTensorSpec:
     padded_shape: tuple  # as stored: the last two dims padded to 32 in TILE layout
     dtype: str  # one of DTYPES
     layout: str  # one of LAYOUTS
-    memory: str  # a ttnn memory config name, e.g. "ttnn.DRAM_MEMORY_CONFIG"
+    memory: str  # a ttnn memory config attribute name, e.g. "DRAM_MEMORY_CONFIG" (ttnn.DRAM_MEMORY_CONFIG)
     kind: str = "activation"  # activation | weight | input | state (persistent device buffer: KV caches)
 
     def __post_init__(self):

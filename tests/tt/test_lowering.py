@@ -65,8 +65,8 @@ def test_dtypes_and_compute_configs_follow_the_policy():
     assert norm.kwargs["compute_kernel_config"]["fp32_dest_acc_en"] is True
     # decode: rows padded to a tile, heads padded to 32 in storage; prefill in DRAM
     assert t["l0.q"].shape == (1, 4, 4, 32) and t["l0.q"].padded_shape == (1, 4, 32, 32)
-    assert t["x0"].padded_shape == (1, 1, 32, 64) and t["l0.h"].memory == "ttnn.L1_WIDTH_SHARDED_MEMORY_CONFIG"
-    assert _lower("llama").prefill.tensors["l0.h"].memory == "ttnn.DRAM_MEMORY_CONFIG"
+    assert t["x0"].padded_shape == (1, 1, 32, 64) and t["l0.h"].memory == "L1_WIDTH_SHARDED_MEMORY_CONFIG"
+    assert _lower("llama").prefill.tensors["l0.h"].memory == "DRAM_MEMORY_CONFIG"
     # cache writes: bf16 rows in decode, cache-dtype tiles in prefill
     upd = next(c for c in perf.calls if c.op == "ttnn.experimental.paged_update_cache")
     assert t[upd.inputs[1]].dtype == "ttnn.bfloat16"
@@ -220,14 +220,15 @@ def test_every_call_matches_the_real_ttnn_api(family):
             for k, v in c.kwargs.items():
                 vals = v if isinstance(v, list) else [v]
                 for x in vals:
-                    if isinstance(x, str):
-                        assert api.has_constant(x), f"{c.op} {k}={x!r} is not a ttnn constant"
+                    if isinstance(x, str):  # memory configs are named without the module prefix
+                        name = "ttnn." + x if k == "memory_config" else x
+                        assert api.has_constant(name), f"{c.op} {k}={x!r} is not a ttnn constant"
                     if isinstance(x, dict):
                         fields = set(x) - {"type"}
                         assert fields <= set(api.type_keywords(x["type"])), (c.op, fields)
                         assert all(api.has_constant(f) for f in x.values() if isinstance(f, str) and f != x["type"])
         for s in prog.tensors.values():
-            assert api.has_constant(s.dtype) and api.has_constant(s.layout) and api.has_constant(s.memory), s
+            assert api.has_constant(s.dtype) and api.has_constant(s.layout) and api.has_constant("ttnn." + s.memory), s
 
 
 def test_api_check_is_not_vacuous():

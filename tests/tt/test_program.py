@@ -29,6 +29,6 @@ def test_refs_and_specs():
     c = TTCall("ttnn.rms_norm", ("x",), {"epsilon": 1e-5, "weight": Ref("w")}, ("y",))
     assert c.refs() == ["x", "w"]
     with pytest.raises(ValueError, match="only in TILE layout"):
-        TTTensorSpec((32, 32), (32, 32), "ttnn.bfloat8_b", "ttnn.ROW_MAJOR_LAYOUT", "ttnn.DRAM_MEMORY_CONFIG")
+        TTTensorSpec((32, 32), (32, 32), "ttnn.bfloat8_b", "ttnn.ROW_MAJOR_LAYOUT", "DRAM_MEMORY_CONFIG")
     with pytest.raises(ValueError, match="unknown dtype"):
-        TTTensorSpec((32, 32), (32, 32), "bf16", "ttnn.TILE_LAYOUT", "ttnn.DRAM_MEMORY_CONFIG")
+        TTTensorSpec((32, 32), (32, 32), "bf16", "ttnn.TILE_LAYOUT", "DRAM_MEMORY_CONFIG")
