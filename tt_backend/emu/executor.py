@@ -21,6 +21,23 @@ Executor API (what `tt_backend.generator` drives for vLLM-style prefill/decode):
 - `run(program, inputs, kv)` executes any `TTProgram` and returns every named tensor it produced
   (per-layer outputs are "l<i>.out"), for layer-level tests.
 
+For `tt_backend.generator` (vLLM contract), `VLLMExecutor` implements its `Executor` protocol:
+
+    ex = VLLMExecutor(model, numerics="full", policy="performance", max_seq_len=..., block_size=32)
+    logits = ex.prefill(tokens[1, S], chunk_start=, last_token_idx=, valid_seq_len=, page_tables=[per layer
+                        [1, W]], chunk_page_tables=[per layer] | None, kv_cache=, cache_position_modulo=[per
+                        layer int | None], owners=)                  # -> [vocab]
+    logits = ex.decode(tokens[b], positions[b], page_tables=, kv_cache=, cache_position_modulo=, owners=)
+    make = executor_factory(model, numerics="full")   # initialize_vllm_model(executor_factory=make)
+
+  - chunk_start > 0 (a later prefill chunk, or a cached prefix): the chunk is filled through its
+    chunk_page_tables and attends to everything before it through the cache
+    (`chunked_scaled_dot_product_attention`); chunk_start must be a multiple of block_size.
+  - per-layer page tables that differ select a program whose layers read "page_table.<i>"; equal ones
+    share one "page_table".
+  - cache_position_modulo[i] = m turns layer i's cache into a ring of m tokens (fill stops at
+    valid_seq_len; update and decode SDPA wrap positions mod m); not combined with chunked prefill.
+
 Numerics: see `tt_backend.emu.numerics` (levels exact / storage / full).
 """
 from __future__ import annotations
