@@ -13,9 +13,10 @@ Params (weights [in, out], like the rest of jaxmodels):
     ffn/   gate [D, E], bias [E] | tid2eid [V, k] int32, w_gate/w_up [E, D, I], w_down [E, I, D], shared {...}
     engram {table, wkv, q_weight, k_weight}   (layers carrying Engram)
 
-Numerics: `plain` computes in the parameters' dtype; `reference` reproduces the reference's simulated
-quantisation (FP8 activations per block before FP8 linears, FP8 window KV, FP4 compressed KV and indexer
-q/k) with a bf16 residual stream, over fp32 (dequantised) weights.
+Numerics: `plain` computes in the parameters' dtype; `reference` adds the reference's simulated quantisation
+(FP8 activations per block before FP8 linears, FP8 window KV, FP4 compressed KV and indexer q/k; FP8 linears
+accumulate in fp32 over the dequantised weight). With bf16 params that is the reference's own arithmetic
+(bf16 stream and activations); with fp32 params it isolates the quantisation steps.
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _lin(cfg, x, w, fp8: bool = True):
     if _reference(cfg):
         if fp8:
             x = qdq.act_quant_fp8(x, cfg.quant_block)
-            return jnp.einsum("...i,io->...o", x.astype(F32), w.astype(F32)).astype(jnp.bfloat16)
+            return jnp.einsum("...i,io->...o", x.astype(F32), w.astype(F32)).astype(x.dtype)
         return jnp.einsum("...i,io->...o", x.astype(w.dtype), w).astype(x.dtype)
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
 
@@ -371,7 +372,7 @@ def _expert(cfg, spec, p, x, weight=None):
     h = mlp.activate(spec, g, u)
     if weight is not None:  # the routing weight multiplies before w2 (and so before its activation QDQ)
         h = h * weight
-    return _lin(cfg, h.astype(jnp.bfloat16), p["w_down"]).astype(F32)
+    return _lin(cfg, h.astype(x.dtype), p["w_down"]).astype(F32)
 
 
 def _moe_reference(cfg, spec, p, xt, w, idx):
@@ -381,12 +382,12 @@ def _moe_reference(cfg, spec, p, xt, w, idx):
         we = jnp.sum(jnp.where(idx == e, w, 0.0), axis=-1, keepdims=True)
         pe = {k: p[k][e] for k in ("w_gate", "w_up", "w_down")}
         y = y + jnp.where(we > 0, _expert(cfg, spec, pe, xt, we), 0.0)
-    return (y + _expert(cfg, spec, p["shared"], xt)).astype(jnp.bfloat16)
+    return (y + _expert(cfg, spec, p["shared"], xt)).astype(xt.dtype)
 
 
 # --------------------------------------------------------------------------------------------- the model
 def _dtype(cfg, params):
-    return jnp.bfloat16 if _reference(cfg) else params["embed"].dtype
+    return params["embed"].dtype
 
 
 def _engram_columns(cfg, params, tokens, positions, hist):
@@ -474,7 +475,7 @@ def forward(params, cfg: DeepseekConfig, tokens, positions=None):
 def init_cache(cfg: DeepseekConfig, batch: int, max_len: int, dtype) -> dict:
     """Per layer: the window ring (+ slot positions); per compressing layer: its compressed entries, the
     projection ring of the group being built, and indexer keys. Engram: the last n-1 compressed ids."""
-    dt = jnp.bfloat16 if _reference(cfg) else dtype
+    dt = dtype
     d, W = cfg.head_dim, min(cfg.window, max_len)
     out = {"layers": {}}
     for i, L in enumerate(cfg.layers):

@@ -301,12 +301,12 @@ def engram_inject(p, X, cols, token_mask=None, eps: float = 1e-20, *, act_quant:
     e = _gather_rows(p, cols, dt).reshape(B, S, -1)  # [B, S, C*H]
     if "wkv_scale" in p:
         kv = qdq.fp8_block_matmul(e, p["wkv"], p["wkv_scale"], 32, act_quant=act_quant,
-                                  out_dtype=jnp.bfloat16 if act_quant else dt)
+                                  out_dtype=dt)
     else:
         if act_quant:
             e = qdq.act_quant_fp8(e, 32)
         kv = jnp.einsum("bsi,io->bso", e, p["wkv"].astype(dt), preferred_element_type=F32,
-                        precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16 if act_quant else dt)
+                        precision=jax.lax.Precision.HIGHEST).astype(dt)
     key = kv[..., : n * D].astype(F32).reshape(B, S, n, D)
     val = kv[..., n * D:].astype(F32)
     w = p["q_weight"].astype(F32) * p["k_weight"].astype(F32)

@@ -1,0 +1,269 @@
+"""DeepSeek V4 against transformers' DeepseekV4ForCausalLM, V4.1 against the float64 oracle
+(tests/oracles/deepseek_v41.py: written from the spec alone, shares no code with jaxmodels).
+
+Tiny configs exercise every feature: V4 has a hash-routed layer, CSA (ratio 4, overlapped compressor +
+indexer with its own compressor, top-k smaller than the visible entries), HCA (ratio 128), sinks, YaRN with
+an active ramp; V4.1 (the spec's §1.4 config) has Engram on two layers, ratio-2 and ratio-1 kv sources,
+reuse layers, a candidate source and a reindex layer filtered by its candidate blocks, real FP8/FP4
+encodings in DeepSeek's own layout. Index heads are 16 in the V4 config so that an all-zero ReLU score (a
+genuine tie, resolved arbitrarily by any top-k) is improbable; the V4.1 oracle breaks ties like lax.top_k.
+
+Comparisons are jitted on both sides of a cached-vs-full check: MoE routing is discontinuous, and eager
+vs jitted fp32 arithmetic (~1e-6 apart) can flip a near-tied expert choice of a random tiny model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import converters
+import jaxmodels as jm
+from converters.safetensors_io import CheckpointError
+from jaxmodels import model as M
+from tests.oracles import deepseek_ckpt as ck, deepseek_v41 as oracle
+
+TOL = 1e-4
+
+V4_TINY = dict(vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+               head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32, sliding_window=16,
+               n_routed_experts=4, num_experts_per_tok=2, index_n_heads=16, index_head_dim=32, index_topk=8,
+               compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=1, max_position_embeddings=8192,
+               rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                             "beta_fast": 32, "beta_slow": 1})
+
+
+@pytest.fixture(autouse=True)
+def _precise():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def _jit_forward(cfg):
+    return jax.jit(lambda p, t: M.forward(p, cfg, t))
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    """A randomised tiny HF V4 model saved by transformers, and our import of those files."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    hf = DeepseekV4ForCausalLM(DeepseekV4Config(**V4_TINY)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every weight non-trivial: norms around 1, biases that move the routing
+        for name, p in hf.named_parameters():
+            scale, shift = (0.3, 1.0) if "norm" in name else (0.08, 0.0)
+            p.copy_(torch.randn(p.shape, generator=g) * scale + shift)
+        for name, b in hf.named_buffers():
+            if "tid2eid" in name:
+                b.copy_(torch.randint(0, V4_TINY["n_routed_experts"], b.shape, generator=g))
+            if "e_score_correction_bias" in name:
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    path = tmp_path_factory.mktemp("v4") / "hf"
+    hf.save_pretrained(path)
+    cfg, params, _ = converters.read_source(path, progress=False)
+    return hf, path, cfg, jax.tree.map(jnp.asarray, params)
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    """The spec's tiny V4.1 written in DeepSeek's own layout with real FP8/FP4 encodings + a tokenizer whose
+    normalised pieces give the stub token map (id 2k = 'w{k}', 2k+1 = ' W{k}': class k)."""
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path_factory.mktemp("v41") / "ckpt"
+    path.mkdir()
+    hf = ck.tiny_config("v4.1", quantized=True)
+    ck.write_checkpoint(str(path), hf, seed=0)
+    V = hf["text_config"]["vocab_size"]
+    vocab = {(f"w{i // 2}" if i % 2 == 0 else f" W{i // 2}"): i for i in range(V)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
+    cfg, params, _ = converters.read_source(path, progress=False)
+    return path, cfg, jax.tree.map(jnp.asarray, params), ck.stub_token_map(V)
+
+
+def _hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+def test_v4_roles_from_config(v4):
+    _, _, cfg, _ = v4
+    assert [(L.ratio, L.select, L.index_keys, L.hash_moe) for L in cfg.layers] == [
+        (0, "none", "none", True), (4, "indexer", "compressor", False), (128, "all", "none", False),
+        (4, "indexer", "compressor", False), (0, "none", "none", False)]
+
+
+def test_v4_matches_transformers(v4):
+    hf, _, cfg, params = v4
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 300))
+    ref = _hf_logits(hf, ids)
+    out = np.asarray(_jit_forward(cfg)(params, jnp.asarray(ids, jnp.int32)))
+    assert np.abs(out - ref).max() <= TOL  # positions 0..299: past the window, 2 HCA entries, CSA top-k active
+
+
+def test_v4_matches_transformers_past_4096(v4):
+    hf, _, cfg, params = v4
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 4160))
+    ref = _hf_logits(hf, ids)[:, 4000:]
+    out = np.asarray(_jit_forward(cfg)(params, jnp.asarray(ids, jnp.int32)))[:, 4000:]
+    assert np.abs(out - ref).max() <= TOL
+
+
+def _cached_vs_full(cfg, params, ids, lengths, steps, max_len):
+    full = np.asarray(_jit_forward(cfg)(params, jnp.asarray(ids, jnp.int32)))
+    B, P = ids.shape[0], int(max(lengths)) + 3  # padded prompts, as generate() passes them
+    cache = M.init_cache(cfg, B, max_len, jnp.float32)
+    logits, cache = jax.jit(M.prefill, static_argnums=1)(params, cfg, jnp.asarray(ids[:, :P], jnp.int32),
+                                                         jnp.asarray(lengths, jnp.int32), cache)
+    rows = np.arange(B)
+    errs = [np.abs(np.asarray(logits) - full[rows, lengths - 1]).max()]
+    step = jax.jit(M.decode_step, static_argnums=1)
+    pos = np.array(lengths)
+    for _ in range(steps):
+        logits, cache = step(params, cfg, jnp.asarray(ids[rows, pos], jnp.int32), jnp.asarray(pos, jnp.int32), cache)
+        errs.append(np.abs(np.asarray(logits) - full[rows, pos]).max())
+        pos = pos + 1
+    return max(errs)
+
+
+def test_v4_cached_decode_equals_full_forward(v4):
+    _, _, cfg, params = v4
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 300))
+    # ragged prompts; decode crosses CSA group ends and the HCA entry at 255 (row 1), past the window
+    assert _cached_vs_full(cfg, params, ids, np.array([131, 250]), 16, 320) <= TOL
+
+
+def test_v41_roles_from_config(v41):
+    _, cfg, _, _ = v41
+    assert [(L.ratio, L.compress, L.select, L.index_keys, L.candidate_source, L.candidate_filter, L.engram)
+            for L in cfg.layers] == [
+        (0, False, "none", "none", False, False, 0), (2, True, "indexer", "latent", False, False, 1),
+        (2, False, "reuse", "none", False, False, -1), (1, True, "indexer", "latent", True, False, -1),
+        (1, False, "reuse", "none", False, False, -1), (1, False, "indexer", "shared", False, True, -1)]
+    assert cfg.norm_eps == 1e-20
+
+
+def test_v41_matches_oracle(v41):
+    path, cfg, params, token_map = v41
+    assert (np.asarray(params["engram_map"]) == token_map).all()  # built from the tokenizer's normaliser
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 80))
+    ref = oracle.forward(str(path), ids, quant_sim=False, token_map=token_map)
+    out = np.asarray(_jit_forward(cfg)(params, jnp.asarray(ids, jnp.int32)))
+    assert np.abs(out - ref).max() <= TOL
+
+
+def test_v41_reference_numerics_match_oracle(v41):
+    """`reference` numerics (FP8 activation QDQ, FP8 window KV, FP4 compressed KV and indexer q/k) over fp32
+    params against the oracle's float64 simulation of the same steps; they move the logits by O(1), so the
+    match is not the plain model's."""
+    path, cfg, params, token_map = v41
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, 48))
+    ref = oracle.forward(str(path), ids, quant_sim=True, token_map=token_map)
+    plain = oracle.forward(str(path), ids, quant_sim=False, token_map=token_map)
+    out = np.asarray(_jit_forward(dataclasses.replace(cfg, numerics="reference"))(params, jnp.asarray(ids, jnp.int32)))
+    assert np.abs(ref - plain).max() > 0.1
+    assert np.abs(out - ref).max() <= TOL
+
+
+def test_v41_cached_decode_equals_full_forward(v41):
+    _, cfg, params, _ = v41
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 96))
+    # odd and even prompt ends (ratio-2 partial groups), Engram history across the prefill/decode boundary
+    assert _cached_vs_full(cfg, params, ids, np.array([23, 50]), 16, 96) <= TOL
+
+
+def test_deepseek_layout_dequantised_exactly(v41):
+    """FP8 (32x32 blocks), MXFP4 experts, per-row FP8 Engram tables: our import equals the oracle's own float64
+    decoding of the same bytes."""
+    path, cfg, params, _ = v41
+    ref = oracle.load_checkpoint(str(path)).w
+    L = params["layers"]
+    pairs = {"layers.1.attn.wq_b.weight": L["1"]["attn"]["wq_b"].T,
+             "layers.3.ffn.experts.2.w2.weight": L["3"]["ffn"]["w_down"][2].T,
+             "layers.0.ffn.shared_experts.w1.weight": L["0"]["ffn"]["shared"]["w_gate"].T,
+             "layers.1.engram.embed.weight": L["1"]["engram"]["table"],
+             "layers.2.attn.wo_a.weight": np.asarray(L["2"]["attn"]["wo_a"]).transpose(0, 2, 1).reshape(
+                 cfg.o_groups * cfg.o_lora_rank, -1)}
+    for name, ours in pairs.items():
+        assert np.array_equal(np.asarray(ours, np.float64), ref[name]), name
+    names = json.loads((path / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (path / "model.safetensors").read_bytes()[:8], "little")])
+    assert names["layers.1.attn.wq_b.weight"]["dtype"] == "F8_E4M3"
+    assert names["layers.3.ffn.experts.2.w2.weight"]["dtype"] == "I8"
+
+
+def test_v4_deepseek_own_names_with_128_blocks(v4, tmp_path):
+    """The HF V4 files renamed to DeepSeek's bare names, linears re-encoded as FP8 with 128x128 E8M0 blocks:
+    the import equals the oracle's independent decoding, and the model still matches transformers closely."""
+    from converters import deepseek_quant as dq
+    from converters.safetensors_io import SafetensorsReader
+
+    _, path, cfg, _ = v4
+    reader = SafetensorsReader(path)
+    out = {}
+    for name in reader.keys():
+        canon = name.replace("model.", "", 1).replace("embed_tokens.", "embed.").replace("hc_head.hc_", "hc_head_")
+        canon = canon.replace(".attn.norm.weight", ".attn.kv_norm.weight")
+        w = reader.get(name)
+        if canon.endswith(("wq_a.weight", "wq_b.weight", "wo_b.weight")):
+            q, s = dq.quantize_fp8_blocks(w, 128)
+            out[canon], out[canon[: -len("weight")] + "scale"] = q, s.view(np.uint8)
+        else:
+            out[canon] = w
+    dst = tmp_path / "ds"
+    dst.mkdir()
+    dq.write_safetensors(dst / "model.safetensors", out)
+    (dst / "config.json").write_text((path / "config.json").read_text())
+    cfg2, params2, _ = converters.read_source(dst, progress=False)
+    assert cfg2 == cfg
+    ref = oracle.dequant_fp8_blocks(out["layers.1.attn.wq_b.weight"].view(np.uint8), out["layers.1.attn.wq_b.scale"],
+                                    128)  # the oracle decodes raw bit patterns
+    assert np.array_equal(params2["layers"]["1"]["attn"]["wq_b"].T.astype(np.float64), ref)
+
+
+def test_convert_load_generate(v41, tmp_path):
+    """Public path: convert (orbax, int routing/token tables kept int) -> jm.load -> generate; greedy tokens equal
+    the argmax of the full forward over prompt + generated (teacher forcing)."""
+    path, cfg, _, _ = v41
+    dst = converters.convert(path, tmp_path / "out", dtype="float32", progress=False)
+    model = jm.load(dst)
+    assert model.params["engram_map"].dtype == jnp.int32
+    prompt = list(np.random.default_rng(6).integers(3, cfg.vocab_size, 21))
+    out = jm.generate(model, [prompt], max_new_tokens=12, ignore_eos=True)
+    seq = np.array([prompt + out.tokens[0]])
+    logits = np.asarray(jm.forward(model, seq))
+    assert out.tokens[0] == list(logits[0, len(prompt) - 1:-1].argmax(-1))
+
+
+def test_import_errors(v41, tmp_path):
+    from converters import deepseek_quant as dq
+
+    path, _, _, _ = v41
+    hdr_len = int.from_bytes((path / "model.safetensors").read_bytes()[:8], "little")
+    names = [k for k in json.loads((path / "model.safetensors").read_bytes()[8:8 + hdr_len]) if k != "__metadata__"]
+    tensors = {k: dq.read_safetensors_tensor(path / "model.safetensors", k) for k in names}
+
+    def attempt(mutate):
+        d = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        t = dict(tensors)
+        mutate(t)
+        dq.write_safetensors(d / "model.safetensors", t)
+        for f in ("config.json", "tokenizer.json"):
+            (d / f).write_text((path / f).read_text())
+        with pytest.raises(CheckpointError) as e:
+            converters.read_source(d, progress=False)
+        return str(e.value)
+
+    assert "missing" in attempt(lambda t: [t.pop("layers.4.attn.wkv.weight"), t.pop("layers.4.attn.wkv.scale")])
+    assert "unexpected tensor 'layers.4.attn.wkv.scale'" in attempt(lambda t: t.pop("layers.4.attn.wkv.weight"))
+    assert "unexpected tensor 'layers.9.attn.attn_sink'" in attempt(
+        lambda t: t.update({"layers.9.attn.attn_sink": np.zeros(4, np.float32)}))
+    assert "shape" in attempt(lambda t: t.update({"norm.weight": np.zeros(7, np.float32)}))
