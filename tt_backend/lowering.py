@@ -81,6 +81,9 @@ def check_layer(cfg: ModelConfig, i: int, spec: LayerSpec) -> None:
 
 def check_config(cfg: ModelConfig) -> None:
     """Raise for anything in the plan that TT cannot run, before any call is emitted."""
+    if not isinstance(cfg, ModelConfig):  # DeepSeek V4's own config: latent (MLA-style) attention, mHC, MoE
+        raise NotImplementedError(f"{type(cfg).__name__} ({getattr(cfg, 'family', '?')}): MLA, mHC and MoE "
+                                  f"lowering is a later issue; only ModelConfig layer plans are lowered")
     D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if D % TILE:
         raise TTConstraintError(f"hidden_size={D} is not a multiple of the {TILE}-wide tile")

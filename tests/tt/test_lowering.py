@@ -175,6 +175,10 @@ def test_unsupported_layer_kinds_raise_not_implemented():
     mhc = dataclasses.replace(_cfg(), layers=tuple(dataclasses.replace(s, residual="mhc") for s in _cfg().layers))
     with pytest.raises(NotImplementedError, match="mHC"):
         lower(mhc)
+    ds = pytest.importorskip("jaxmodels.families.deepseek_v4")
+    fake = object.__new__(ds.DeepseekConfig)  # only its type matters: refused before any field is read
+    with pytest.raises(NotImplementedError, match="MLA, mHC and MoE"):
+        lower(fake)
 
 
 def test_program_checker_catches_illegal_calls():

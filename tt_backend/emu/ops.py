@@ -279,8 +279,10 @@ def paged_scaled_dot_product_attention_decode(env, input_tensor_q, input_tensor_
                                               compute_kernel_config=None, program_config=None,
                                               memory_config=None, cache_position_modulo=None):
     """q [1, B, H, d]; K/V paged caches; user b attends to its positions 0..cur_pos[b] (the last
-    `sliding_window_size` of them when set). cur_pos -1 skips the user (output 0); -1 page-table
-    entries read as zeros."""
+    `sliding_window_size` of them when set: cur_pos - W < j <= cur_pos, as tt-metal's
+    sdpa_test_utils.create_sliding_window_mask). cur_pos -1 skips the user (output 0); -1 page-table
+    entries read as zeros. Sink logits enter the softmax unscaled (HF's GPT-OSS semantics; how ttnn's
+    kernel treats `attention_sink` is not verified)."""
     _, B, H, d = input_tensor_q.shape
     K = input_tensor_k.shape[1]
     pt, pos = np.asarray(page_table_tensor), np.asarray(cur_pos_tensor).reshape(-1)
