@@ -12,9 +12,19 @@ Both read the same weights (`tt_backend.weights.prepare`) and the same per-layer
 full-length cache and enforce the window on the read side (`sliding_window_size`), as Tenstorrent's
 generator_vllm does.
 
+Options: `chunk_start` (a later prefill chunk attending to earlier ones through the cache with
+`chunked_scaled_dot_product_attention`), `per_layer_page_tables` (hybrid KV-cache groups read
+"page_table.<i>"), `cache_position_modulo` (sliding layers as rings), `policy` (DecodersPrecision-like
+dtypes and compute configs, `tt_backend.weights.POLICIES`).
+
 `check_config` raises `TTConstraintError` for what TT cannot do and `NotImplementedError` for what
 this lowering does not do yet (MoE, mHC, MLA); nothing falls back silently. `check_program`
 validates a program's calls (dtype/layout rules of cache ops, tile alignment, batch width).
+
+Not lowered (yet): tensor parallelism and its CCLs (one device per program), on-device sampling
+(`check_topk` holds its limits; logits go to the host), MoE / MLA / mHC. The prefill program returns
+the logits of every row (tt_transformers keeps only the last token's tile), so it also serves as
+`tt_backend.forward`.
 """
 from __future__ import annotations
 
