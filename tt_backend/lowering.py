@@ -41,8 +41,8 @@ MAX_HEADS = 32  # nlp_create_qkv_heads_decode pads heads to 32 (one tile of rows
 MAX_TOPK_WIDTH = 65536  # ttnn.topk: widest single call (tt_sampling chunks the vocab by 64K)
 MAX_TOPK_K = 32  # ttnn.sampling: k in (0, 32]
 
-BF16, BFP8, BFP4, F32, U32, I32 = ("ttnn.bfloat16", "ttnn.bfloat8_b", "ttnn.bfloat4_b", "ttnn.float32",
-                                   "ttnn.uint32", "ttnn.int32")
+BF16, BFP8, BFP4, F32, U32, I32, U16 = ("ttnn.bfloat16", "ttnn.bfloat8_b", "ttnn.bfloat4_b", "ttnn.float32",
+                                        "ttnn.uint32", "ttnn.int32", "ttnn.uint16")
 TILE_L, RM = "ttnn.TILE_LAYOUT", "ttnn.ROW_MAJOR_LAYOUT"
 # ttnn memory-config attribute names (ttnn.<name>), as tt_backend.ttnn_exec resolves them
 DRAM, L1_WIDTH, L1_HEIGHT = "DRAM_MEMORY_CONFIG", "L1_WIDTH_SHARDED_MEMORY_CONFIG", "L1_HEIGHT_SHARDED_MEMORY_CONFIG"
@@ -73,11 +73,17 @@ def check_layer(cfg: ModelConfig, i: int, spec: LayerSpec) -> None:
         raise NotImplementedError(f"{where}: residual {spec.residual!r} (mHC) lowering is a later issue")
     if getattr(a, "kind", "mha") not in ("mha", "gqa", None) or hasattr(a, "kv_lora_rank"):
         raise NotImplementedError(f"{where}: MLA lowering is a later issue")
-    if spec.mlp.kind == "moe":
-        raise NotImplementedError(f"{where}: MoE lowering: later issue")
-    if spec.mlp.activation not in ACTIVATIONS:
-        raise NotImplementedError(f"{where}: MLP activation {spec.mlp.activation!r} has no fused ttnn.mul "
-                                  f"activation here (supported: {sorted(ACTIVATIONS)})")
+    m = spec.mlp
+    if m.kind == "moe":
+        if m.shared_intermediate_size:
+            raise NotImplementedError(f"{where}: MoE with a shared expert: lowering is a later issue")
+        if m.router not in ("topk_softmax", "softmax_topk"):
+            raise NotImplementedError(f"{where}: MoE router {m.router!r} is not lowered")
+        if m.num_experts > MAX_TOPK_WIDTH:
+            raise TTConstraintError(f"{where}: ttnn.topk over {m.num_experts} experts > {MAX_TOPK_WIDTH}")
+    if m.activation not in ACTIVATIONS and not (m.kind == "moe" and m.activation == "swiglu_clamp"):
+        raise NotImplementedError(f"{where}: MLP activation {m.activation!r} has no ttnn lowering here "
+                                  f"(supported: {sorted(ACTIVATIONS)}, and swiglu_clamp for experts)")
     if spec.mlp.intermediate_size % TILE:
         raise TTConstraintError(f"{where}: intermediate_size={spec.mlp.intermediate_size} is not a multiple of "
                                 f"the {TILE}-wide tile")
@@ -116,12 +122,24 @@ def check_decode_batch(batch: int) -> None:
 
 
 def check_topk(k: int, width: int) -> None:
-    if not 0 < k <= MAX_TOPK_K:
-        raise TTConstraintError(f"top-k k={k}: device sampling supports 0 < k <= {MAX_TOPK_K}")
+    """ttnn.topk: one call covers at most 64K columns (it pads a partial tile with -inf itself)."""
+    if not 0 < k <= width:
+        raise TTConstraintError(f"top-k k={k} over width {width}")
     if width > MAX_TOPK_WIDTH:
         raise TTConstraintError(f"ttnn.topk over width {width} > {MAX_TOPK_WIDTH}: split the vocab into chunks")
-    if width % TILE:
-        raise TTConstraintError(f"ttnn.topk width {width} is not a multiple of {TILE}: pad (masked) first")
+
+
+def check_sampling(k: int, width: int, users: int) -> None:
+    """ttnn.sampling (on-device top-k/top-p): 1..32 users, k in (0, 32], W a power-of-two multiple of 32."""
+    if not 0 < k <= MAX_TOPK_K:
+        raise TTConstraintError(f"device sampling k={k}: supported 0 < k <= {MAX_TOPK_K}")
+    if not 1 <= users <= MAX_DECODE_BATCH:
+        raise TTConstraintError(f"device sampling of {users} users: supported 1..{MAX_DECODE_BATCH}")
+    tiles = width // TILE
+    if width % TILE or tiles & (tiles - 1):
+        raise TTConstraintError(f"device sampling width {width} is not a power-of-two multiple of {TILE}: pad "
+                                f"(masked) first")
+    check_topk(k, width)
 
 
 def check_program(prog: TTProgram) -> None:
@@ -303,6 +321,61 @@ def _mlp(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
                    prec.li_ff2, bias("b2", D))
 
 
+def _moe(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
+    """Routed experts, computed densely: every expert runs on every row and is weighted by its routing
+    weight (0 for unchosen experts), as tt_transformers' first MoE path did. GPT-OSS's router
+    (linear + bias -> ttnn.topk -> softmax over the k values) or Qwen3-MoE's (softmax over all ->
+    topk [-> renormalise]); ttnn.scatter makes the dense [rows, experts] weights. Exact for the
+    routing, but E times the expert FLOPs of the sparse_matmul path (a later optimisation)."""
+    cfg, prec, m = b.cfg, b.prec, spec.mlp
+    D, I, E, k = cfg.hidden_size, m.intermediate_size, m.num_experts, m.top_k
+    L, n = f"layers.{i}", f"l{i}"
+    se, sk, sr = (1, 1, rows, E), (1, 1, rows, k), (1, 1, rows, 1)
+    rb = b.weight(f"{L}.router_bias", (1, 1, 1, E), BF16) if m.router_bias else None
+    logits = _linear(b, h, b.weight(f"{L}.router", (1, 1, D, E), BF16), f"{n}.router", se, prec.router, rb)
+    topk = {"k": k, "dim": -1, "largest": True, "sorted": True}
+    smax = {"dim": -1, "numeric_stable": True, "compute_kernel_config": _cc(prec.router)}
+    if m.router == "topk_softmax":  # GPT-OSS: the k largest logits, softmax over those k
+        b.call("ttnn.topk", [logits], topk, (f"{n}.topv", f"{n}.topi"), (sk, sk), (BF16, U16))
+        w = b.call("ttnn.softmax", [f"{n}.topv"], smax, f"{n}.topw", sk)
+    else:  # Qwen3-MoE: softmax over all experts, the k largest probabilities [, renormalised]
+        probs = b.call("ttnn.softmax", [logits], smax, f"{n}.probs", se)
+        b.call("ttnn.topk", [probs], topk, (f"{n}.topv", f"{n}.topi"), (sk, sk), (BF16, U16))
+        w = f"{n}.topv"
+        if m.renormalize:
+            tot = b.call("ttnn.sum", [w], {"dim": -1, "keepdim": True}, f"{n}.topsum", sr)
+            w = b.call("ttnn.div", [w, tot], {}, f"{n}.topw", sk)
+    zeros = b.call("ttnn.mul", [logits], {"input_tensor_b": 0.0}, f"{n}.zeros", se)  # router logits are finite
+    route = b.call("ttnn.scatter", [zeros], {"dim": -1, "index": Ref(f"{n}.topi"), "src": Ref(w)},
+                   f"{n}.route", se)
+    acc = None
+    for e in range(E):
+        Le, ne = f"{L}.e{e}", f"{n}.e{e}"
+        bias = lambda name, width: b.weight(f"{Le}.{name}", (1, 1, 1, width), BF16) if m.bias else None  # noqa: E731
+        re = b.call("ttnn.slice", [route], {"starts": [0, 0, 0, e], "ends": [1, 1, rows, e + 1]}, f"{ne}.w", sr)
+        g = _linear(b, h, b.weight(f"{Le}.w1", (1, 1, D, I), prec.ff1_3), f"{ne}.g", (1, 1, rows, I),
+                    prec.li_ff1_3, bias("b1", I))
+        u = _linear(b, h, b.weight(f"{Le}.w3", (1, 1, D, I), prec.ff1_3), f"{ne}.u", (1, 1, rows, I),
+                    prec.li_ff1_3, bias("b3", I))
+        si = (1, 1, rows, I)
+        if m.activation == "swiglu_clamp":  # (clip(u, ±l) + 1) * g' * sigmoid(alpha g'), g' = min(g, l)
+            g = b.call("ttnn.clamp", [g], {"max": m.clamp_limit}, f"{ne}.gc", si)
+            u = b.call("ttnn.clamp", [u], {"min": -m.clamp_limit, "max": m.clamp_limit}, f"{ne}.uc", si)
+            sg = b.call("ttnn.mul", [g], {"input_tensor_b": m.clamp_alpha}, f"{ne}.ag", si)
+            sg = b.call("ttnn.sigmoid", [sg], {}, f"{ne}.sig", si)
+            glu = b.call("ttnn.mul", [g, sg], {}, f"{ne}.glu", si)
+            u1 = b.call("ttnn.add", [u], {"input_tensor_b": 1.0}, f"{ne}.u1", si)
+            act = b.call("ttnn.mul", [u1, glu], {}, f"{ne}.act", si)
+        else:
+            act = b.call("ttnn.mul", [g, u], {"input_tensor_a_activations": [ACTIVATIONS[m.activation]],
+                                              "dtype": BF16}, f"{ne}.act", si)
+        y = _linear(b, act, b.weight(f"{Le}.w2", (1, 1, I, D), prec.ff2), f"{ne}.y", (1, 1, rows, D),
+                    prec.li_ff2, bias("b2", D))
+        y = b.call("ttnn.mul", [y, re], {}, f"{ne}.yw", (1, 1, rows, D))
+        acc = y if acc is None else b.call("ttnn.add", [acc, y], {}, f"{ne}.acc", (1, 1, rows, D))
+    return acc
+
+
 def _layer(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: dict) -> str:
     cfg = b.cfg
     D, eps, L, n = cfg.hidden_size, cfg.norm_eps, f"layers.{i}", f"l{i}"
@@ -312,19 +385,20 @@ def _layer(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: d
     add = lambda p, q, out: b.call("ttnn.add", [p, q], {"memory_config": b.mem}, out, shape)  # noqa: E731
     h = x if spec.block == "post" else norm(x, "attn_norm", f"{n}.h")
     att = _attention(b, i, spec, h, rows, rope_name)
+    ffn = _moe if spec.mlp.kind == "moe" else _mlp
     if spec.block == "parallel":  # Cohere: attention and MLP read the same normed input
-        y = _mlp(b, i, spec, h, rows)
+        y = ffn(b, i, spec, h, rows)
         x = add(add(x, att, f"{n}.x_attn"), y, f"{n}.out")
     elif spec.block == "pre":
         x = add(x, att, f"{n}.x_attn")
-        x = add(x, _mlp(b, i, spec, norm(x, "mlp_norm", f"{n}.h2"), rows), f"{n}.out")
+        x = add(x, ffn(b, i, spec, norm(x, "mlp_norm", f"{n}.h2"), rows), f"{n}.out")
     elif spec.block == "sandwich":  # Gemma: norms before and after each sublayer
         x = add(x, norm(att, "post_attn_norm", f"{n}.att_n"), f"{n}.x_attn")
-        y = _mlp(b, i, spec, norm(x, "mlp_norm", f"{n}.h2"), rows)
+        y = ffn(b, i, spec, norm(x, "mlp_norm", f"{n}.h2"), rows)
         x = add(x, norm(y, "post_mlp_norm", f"{n}.mlp_n"), f"{n}.out")
     else:  # post (EXAONE): norms on the sublayer outputs only
         x = add(x, norm(att, "post_attn_norm", f"{n}.att_n"), f"{n}.x_attn")
-        y = _mlp(b, i, spec, x, rows)
+        y = ffn(b, i, spec, x, rows)
         x = add(x, norm(y, "post_mlp_norm", f"{n}.mlp_n"), f"{n}.out")
     return x
 

@@ -15,7 +15,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-DTYPES = ("ttnn.float32", "ttnn.bfloat16", "ttnn.bfloat8_b", "ttnn.bfloat4_b", "ttnn.uint32", "ttnn.int32")
+DTYPES = ("ttnn.float32", "ttnn.bfloat16", "ttnn.bfloat8_b", "ttnn.bfloat4_b", "ttnn.uint32", "ttnn.int32",
+          "ttnn.uint16")
 LAYOUTS = ("ttnn.TILE_LAYOUT", "ttnn.ROW_MAJOR_LAYOUT")
 
 

@@ -67,6 +67,7 @@ class Precision:
     lm_head_op: OpConfig = HIFI2
     norm: OpConfig = HIFI2  # models/common/rmsnorm.py: HiFi2 with fp32 accumulation
     rope: OpConfig = HIFI4
+    router: OpConfig = OpConfig("HiFi3", False, True, True)  # GPT-OSS topk.py: HiFi3, fp32 accumulation
 
 
 POLICIES = {
@@ -158,12 +159,17 @@ def layer_weights(cfg: ModelConfig, spec: LayerSpec, p: dict) -> dict[str, np.nd
     if a.sinks:
         out["sinks"] = _np(attn["sinks"])[None, None, None, :]
     m = p["mlp"]
-    if spec.mlp.kind != "gated":
-        raise NotImplementedError("MoE lowering: later issue")
-    out |= {"w1": _mat(m["w_gate"]), "w3": _mat(m["w_up"]), "w2": _mat(m["w_down"])}
-    if spec.mlp.bias:
-        out |= {"b1": _np(m["b_gate"])[None, None, None], "b3": _np(m["b_up"])[None, None, None],
-                "b2": _np(m["b_down"])[None, None, None]}
+    vec = lambda v: _np(v)[None, None, None]  # noqa: E731
+    if spec.mlp.kind == "moe":  # router + one w1/w3/w2 (+ biases) per expert
+        out |= {"router": _mat(m["router"])} | ({"router_bias": vec(m["router_bias"])} if spec.mlp.router_bias else {})
+        for e in range(spec.mlp.num_experts):
+            out |= {f"e{e}.w1": _mat(m["w_gate"][e]), f"e{e}.w3": _mat(m["w_up"][e]), f"e{e}.w2": _mat(m["w_down"][e])}
+            if spec.mlp.bias:
+                out |= {f"e{e}.b1": vec(m["b_gate"][e]), f"e{e}.b3": vec(m["b_up"][e]), f"e{e}.b2": vec(m["b_down"][e])}
+    else:
+        out |= {"w1": _mat(m["w_gate"]), "w3": _mat(m["w_up"]), "w2": _mat(m["w_down"])}
+        if spec.mlp.bias:
+            out |= {"b1": vec(m["b_gate"]), "b3": vec(m["b_up"]), "b2": vec(m["b_down"])}
     for n in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
         if n in p:
             w = _np(p[n])

@@ -13,14 +13,15 @@ import pytest
 import tt_backend
 from jaxmodels import families
 from jaxmodels.config import LayerSpec
-from tests.tt.test_tt_forward import BASE, TINY, tiny_config, tiny_model
+from tests.tt.test_tt_forward import BASE, TINY, TINY_MOE, tiny_config, tiny_model
 from tt_backend import api
-from tt_backend.lowering import TTConstraintError, check_program, check_topk, lower, padded_prefill_len
+from tt_backend.lowering import (TTConstraintError, check_program, check_sampling, check_topk, lower,
+                                 padded_prefill_len)
 from tt_backend.program import Ref, TTCall
 from tt_backend.weights import layer_weights, meta_permutation, needs_meta_permutation
 
 GOLDEN = Path(__file__).parent / "golden"
-FAMILIES = list(TINY)
+FAMILIES = list(TINY) + list(TINY_MOE)
 
 
 def _lower(name, **kw):
@@ -155,9 +156,14 @@ def test_constraints_on_shapes_and_settings():
         lower(_cfg(), prefill_len=600, max_seq_len=512)
     assert [padded_prefill_len(n) for n in (1, 128, 129, 4100)] == [128, 128, 256, 4224]
     check_topk(32, 65536)
-    for k, width, match in ((33, 1024, "k=33"), (8, 65536 + 32, "width"), (8, 1000, "multiple of 32")):
+    check_topk(2, 4)  # a router over 4 experts: topk pads the partial tile itself
+    for k, width, match in ((5, 4, "k=5"), (8, 65536 + 32, "width")):
         with pytest.raises(TTConstraintError, match=match):
             check_topk(k, width)
+    check_sampling(32, 1024, 32)
+    for k, width, users, match in ((33, 1024, 1, "k=33"), (8, 1024, 33, "33 users"), (8, 96, 1, "power-of-two")):
+        with pytest.raises(TTConstraintError, match=match):
+            check_sampling(k, width, users)
     soft = dataclasses.replace(_cfg(), layers=tuple(
         dataclasses.replace(s, attention=dataclasses.replace(s.attention, softcap=50.0)) for s in _cfg().layers))
     with pytest.raises(TTConstraintError, match="softcap"):
@@ -168,10 +174,12 @@ def test_constraints_on_shapes_and_settings():
 
 
 def test_unsupported_layer_kinds_raise_not_implemented():
-    moe = families.config_from_hf({**BASE, "model_type": "qwen3_moe", "moe_intermediate_size": 32,
-                                   "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2})
-    with pytest.raises(NotImplementedError, match="MoE lowering: later issue"):
-        lower(moe)
+    moe = tiny_config("qwen3_moe")
+    shared = dataclasses.replace(moe, layers=tuple(
+        dataclasses.replace(s, mlp=dataclasses.replace(s.mlp, shared_intermediate_size=64)) if s.mlp.kind == "moe"
+        else s for s in moe.layers))
+    with pytest.raises(NotImplementedError, match="shared expert"):
+        lower(shared)
     mhc = dataclasses.replace(_cfg(), layers=tuple(dataclasses.replace(s, residual="mhc") for s in _cfg().layers))
     with pytest.raises(NotImplementedError, match="mHC"):
         lower(mhc)
@@ -295,3 +303,21 @@ def test_program_variants():
         _lower("gemma3", cache_position_modulo=(None, 96))  # layer 1 is a full-attention layer
     with pytest.raises(TTConstraintError, match="chunk_start=100"):
         _lower("llama", chunk_start=100)
+
+
+def test_moe_lowering_structure():
+    """GPT-OSS: router linear + bias, topk -> softmax over k, scatter to dense weights, then per expert
+    w1/w3 (+bias), clamps, sigmoid gate, w2 (+bias), times its routing column, summed."""
+    p = _lower("gpt_oss").decode
+    ops = [c.op for c in _layer_calls(p, 0)]
+    i = ops.index("ttnn.topk")
+    assert ops[i - 3:i + 4] == ["ttnn.rms_norm", "ttnn.linear", "ttnn.add", "ttnn.topk", "ttnn.softmax",
+                                "ttnn.mul", "ttnn.scatter"]
+    assert ops.count("ttnn.clamp") == 2 * 4 and ops.count("ttnn.sigmoid") == 4 and ops.count("ttnn.slice") == 4
+    assert p.tensors["l0.topi"].dtype == "ttnn.uint16"
+    assert p.tensors["layers.0.e3.w1"].dtype == "ttnn.bfloat4_b" and p.tensors["layers.0.router"].dtype == "ttnn.bfloat16"
+    q = _lower("qwen3_moe").prefill  # layer 0 routed (softmax -> topk -> renormalise), layer 1 dense
+    ops = [c.op for c in _layer_calls(q, 0)]
+    assert ops[ops.index("ttnn.softmax"):ops.index("ttnn.softmax") + 4] == ["ttnn.softmax", "ttnn.topk", "ttnn.sum",
+                                                                            "ttnn.div"]
+    assert "ttnn.topk" not in [c.op for c in _layer_calls(q, 1)]

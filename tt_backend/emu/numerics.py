@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 LEVELS = ("exact", "storage", "full")
-_PASSTHROUGH = ("ttnn.float32", "ttnn.uint32", "ttnn.int32")
+_PASSTHROUGH = ("ttnn.float32", "ttnn.uint32", "ttnn.int32", "ttnn.uint16")
 
 
 def check_level(level: str) -> str:

@@ -331,3 +331,56 @@ def chunked_scaled_dot_product_attention(env, input_tensor_q, input_tensor_k, in
             allowed &= j > i - sliding_window_size
         out[:, :, r0:r1] = _softmax_attend(env, q[:, :, r0:r1], keys, vals, allowed, sc, sink, compute_kernel_config)
     return out.reshape(1, H, S, d)
+
+
+# ------------------------------------------------------------------------------- MoE routing
+@op("ttnn.topk")
+def topk(env, input_tensor, *, k, dim=-1, largest=True, sorted=True, memory_config=None):
+    """The k largest along `dim`, ties to the lowest index (ttnn's `stable` behaviour): (values, uint16 indices)."""
+    if dim not in (-1, input_tensor.ndim - 1) or not largest or not sorted:
+        raise NotImplementedError("only largest, sorted top-k over the last dim is emulated")
+    idx = np.argsort(-input_tensor, axis=-1, kind="stable")[..., :k]
+    return np.take_along_axis(input_tensor, idx, -1), idx.astype(np.uint16)
+
+
+@op("ttnn.softmax")
+def softmax(env, input_tensor, *, dim=-1, numeric_stable=True, compute_kernel_config=None, memory_config=None):
+    x = input_tensor.astype(F32)
+    e = np.exp(x - x.max(axis=dim, keepdims=True))
+    return e / e.sum(axis=dim, keepdims=True)
+
+
+@op("ttnn.scatter")
+def scatter(env, input, *, dim, index, src, memory_config=None, reduce=None):
+    """out = input; out[..., index[..., j]] = src[..., j] along the last dim."""
+    if dim not in (-1, input.ndim - 1) or reduce is not None:
+        raise NotImplementedError("only a plain scatter along the last dim is emulated")
+    out = np.array(input, F32, copy=True)
+    np.put_along_axis(out, np.asarray(index).astype(np.int64), src, -1)
+    return out
+
+
+@op("ttnn.slice")
+def ttnn_slice(env, input_tensor, *, starts, ends, steps=None, memory_config=None):
+    return input_tensor[tuple(slice(a, b, None if steps is None else steps[i]) for i, (a, b) in
+                              enumerate(zip(starts, ends)))]
+
+
+@op("ttnn.clamp")
+def clamp(env, input_tensor, *, min=None, max=None, memory_config=None):  # noqa: A002 (ttnn's names)
+    return np.clip(input_tensor.astype(F32), -np.inf if min is None else min, np.inf if max is None else max)
+
+
+@op("ttnn.sigmoid")
+def sigmoid(env, input_tensor, *, memory_config=None):
+    return F32(1) / (F32(1) + np.exp(-input_tensor.astype(F32)))
+
+
+@op("ttnn.sum")
+def ttnn_sum(env, input_tensor, *, dim, keepdim=False, memory_config=None, compute_kernel_config=None):
+    return input_tensor.astype(F32).sum(axis=dim, keepdims=keepdim)
+
+
+@op("ttnn.div")
+def div(env, input_tensor_a, input_tensor_b_tensor=None, *, input_tensor_b=None, memory_config=None):
+    return input_tensor_a.astype(F32) / _binary(input_tensor_a, input_tensor_b_tensor, input_tensor_b)
