@@ -17,14 +17,17 @@ Options: `chunk_start` (a later prefill chunk attending to earlier ones through 
 "page_table.<i>"), `cache_position_modulo` (sliding layers as rings), `policy` (DecodersPrecision-like
 dtypes and compute configs, `tt_backend.weights.POLICIES`).
 
+MoE layers (GPT-OSS, Qwen3-MoE routers) are lowered with dense experts: every expert runs on every
+row, weighted by its routing weight (exact routing, E times the expert work of ttnn.sparse_matmul).
+
 `check_config` raises `TTConstraintError` for what TT cannot do and `NotImplementedError` for what
-this lowering does not do yet (MoE, mHC, MLA); nothing falls back silently. `check_program`
-validates a program's calls (dtype/layout rules of cache ops, tile alignment, batch width).
+this lowering does not do yet (shared experts, mHC, MLA / DeepSeek V4); nothing falls back silently.
+`check_program` validates a program's calls (dtype/layout rules of cache ops, tile alignment, top-k).
 
 Not lowered (yet): tensor parallelism and its CCLs (one device per program), on-device sampling
-(`check_topk` holds its limits; logits go to the host), MoE / MLA / mHC. The prefill program returns
-the logits of every row (tt_transformers keeps only the last token's tile), so it also serves as
-`tt_backend.forward`.
+(`check_sampling` holds its limits; logits go to the host), sparse expert matmuls, MLA / mHC. The
+prefill program returns the logits of every row (tt_transformers keeps only the last token's tile),
+so it also serves as `tt_backend.forward`.
 """
 from __future__ import annotations
 
