@@ -267,7 +267,7 @@ def test_vllm_executor_chunked_prefill_and_per_layer_tables():
     from tt_backend.emu.executor import VLLMExecutor
 
     model = tiny_model("qwen3")
-    L, bs = model.config.num_layers, 32
+    L = model.config.num_layers
     tokens = np.random.default_rng(4).integers(0, 256, 256 + 8)
     ref = _reference(model, tokens)
     for numerics, tol in (("exact", None), ("full", 0.99)):
