@@ -254,14 +254,59 @@ def _np_mtp_v4(cfg, params, h, tokens):
     return rms(oracle.hc_collapse(X, pre), p["norm"]) @ f(params["head"])
 
 
+def _v4_params(cfg, seed=0):
+    """NumPy draws (one jax.random compile per leaf shape would dominate the test): 1-D leaves ~1, the rest ~0.2."""
+    rng = np.random.default_rng(seed)
+    shapes = {**ds.param_shapes(cfg), **dm.mtp_param_shapes(cfg)}
+    return jax.tree.map(lambda s: ((1.0 if len(s) == 1 else 0.0) + 0.2 * rng.standard_normal(s)).astype(np.float32),
+                        shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _v4_checkpoint(cfg, p):
+    """V4 MTP params -> DeepSeek bare-name tensors (`mtp.0.*`, weights [out, in]); e_proj FP8 with 128x128 blocks."""
+    T = lambda a: np.ascontiguousarray(a.T)  # noqa: E731
+    out = {f"mtp.0.{k}.weight": T(p[k]) for k in ("e_proj", "h_proj")}
+    out |= {f"mtp.0.{k}.weight": p[k] for k in ("enorm", "hnorm", "norm", "attn_norm", "ffn_norm")}
+    for k in ("fn", "base", "scale"):
+        out |= {f"mtp.0.hc_head_{k}": p["hc_head"][k], f"mtp.0.hc_attn_{k}": p["hc_attn"][k],
+                f"mtp.0.hc_ffn_{k}": p["hc_ffn"][k]}
+    a, f = p["attn"], p["ffn"]
+    out |= {f"mtp.0.attn.{k}.weight": T(a[k]) for k in ("wq_a", "wq_b", "wkv", "wo_b")}
+    out |= {f"mtp.0.attn.{k}.weight": a[k] for k in ("q_norm", "kv_norm")}
+    out["mtp.0.attn.attn_sink"] = a["sink"]
+    out["mtp.0.attn.wo_a.weight"] = np.ascontiguousarray(a["wo_a"].transpose(0, 2, 1).reshape(
+        cfg.o_groups * cfg.o_lora_rank, -1))
+    out |= {"mtp.0.ffn.gate.weight": T(f["gate"]), "mtp.0.ffn.gate.bias": f["bias"]}
+    for w, k in (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down")):
+        out[f"mtp.0.ffn.shared_experts.{w}.weight"] = T(f["shared"][k])
+        out |= {f"mtp.0.ffn.experts.{e}.{w}.weight": T(f[k][e]) for e in range(cfg.num_experts)}
+    q, sc = dq.quantize_fp8_blocks(out["mtp.0.e_proj.weight"], 128)
+    out["mtp.0.e_proj.weight"], out["mtp.0.e_proj.scale"] = q, sc.view(np.uint8)
+    out["mtp.0.head.weight"] = np.zeros((cfg.vocab_size, cfg.hidden_size), np.float32)  # shared: dropped
+    return out
+
+
+def test_v4_mtp_import():
+    """V4's classic-MTP names (e_proj/h_proj, enorm/hnorm, its own hc_head_*) round-trip through the importer;
+    the FP8 e_proj (128x128 blocks) comes back as the oracle's independent decoding of its bytes."""
+    cfg = fam.config(V4_TINY)
+    p = _v4_params(cfg)["mtp"]["0"]
+    t = _v4_checkpoint(cfg, p)
+    got = cm.import_mtp(DictReader(t), cfg)["mtp"]["0"]
+    want = dict(p, e_proj=oracle.dequant_fp8_blocks(t["mtp.0.e_proj.weight"].view(np.uint8), t["mtp.0.e_proj.scale"],
+                                                    128).T.astype(np.float32))
+    assert np.abs(want["e_proj"] - p["e_proj"]).max() > 0  # really quantised
+    same = jax.tree.map(lambda a, b: np.array_equal(a, b), want, got)
+    assert all(jax.tree.leaves(same))
+    t.pop("mtp.0.hc_head_base")
+    with pytest.raises(CheckpointError, match="missing 1 MTP tensors, e.g. mtp/0/hc_head/base"):
+        cm.import_mtp(DictReader(t), cfg)
+
+
 def test_v4_mtp_matches_numpy():
     cfg = fam.config(V4_TINY)
     assert not cfg.v41 and dm.has_mtp(cfg) and cfg.mtp_num_experts == 0  # V4: the backbone's expert counts
-    rng = np.random.default_rng(0)
-    # NumPy draws (one jax.random compile per leaf shape would dominate the test): norms ~1, the rest ~0.2
-    shapes = {**ds.param_shapes(cfg), **dm.mtp_param_shapes(cfg)}
-    params = jax.tree.map(lambda s: jnp.asarray((1.0 if len(s) == 1 else 0.0) + 0.2 * rng.standard_normal(s),
-                                                jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree.map(jnp.asarray, _v4_params(cfg))
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 20)), jnp.int32)
     _, mains, stream = _backbone(params, cfg, tokens)
     assert mains is None and stream.shape == (2, 20, cfg.hc_mult, cfg.hidden_size)
