@@ -42,15 +42,20 @@ def open_source(src: str | Path):
     return cfg, reader, families.name_map(fam, cfg), fam.skip, tok
 
 
-def read_source(src: str | Path, dtype: str = "float32", progress: bool = True
+def read_source(src: str | Path, dtype: str = "float32", progress: bool = True, keep_quantized: bool = False
                 ) -> tuple[ModelConfig, dict, Tokenizer | None]:
-    """Import a checkpoint into host memory: (config, numpy params, tokenizer or None)."""
+    """Import a checkpoint into host memory: (config, numpy params, tokenizer or None).
+
+    keep_quantized: FP8/FP4 weights (DeepSeek V4) stay quantized in the params, expanded inside the matmul.
+    """
     cfg, reader, names, skip, tok = open_source(src)
     if isinstance(cfg, DeepseekConfig):
         from converters import deepseek
 
         token_map = _engram_map(tok, cfg) if cfg.engram_layer_ids and tok is not None else None
-        return cfg, deepseek.import_params(reader, cfg, dtype, progress, token_map), tok
+        return cfg, deepseek.import_params(reader, cfg, dtype, progress, token_map, keep_quantized), tok
+    if keep_quantized:
+        raise ValueError(f"keep_quantized applies to DeepSeek V4's FP8/FP4 checkpoints, not to {cfg.family}")
     return cfg, import_params(reader, cfg, names, dtype, progress, skip=skip), tok
 
 
@@ -79,14 +84,14 @@ def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32
 
 
 def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite: bool = False,
-            progress: bool = True) -> Path:
+            progress: bool = True, keep_quantized: bool = False) -> Path:
     """Convert a checkpoint into `dst` (orbax params + config + tokenizer). Returns `dst`.
 
-    Nothing is left at `dst` if anything fails.
+    Nothing is left at `dst` if anything fails. keep_quantized: see `read_source`.
     """
     from converters import orbax_io
 
-    cfg, params, tok = read_source(src, dtype, progress)
+    cfg, params, tok = read_source(src, dtype, progress, keep_quantized)
     out = orbax_io.save(dst, cfg, params, tok, overwrite=overwrite)
     log.info("converted %s -> %s", src, out)
     return out

@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from converters import deepseek_quant as dq
-from converters.hf import np_dtype, unflatten
+from converters.hf import np_dtype
 from converters.safetensors_io import CheckpointError
 from jaxmodels import deepseek
 from jaxmodels.families.deepseek_v4 import DeepseekConfig
@@ -186,16 +186,34 @@ def _block(w, s) -> int:
 
 
 def import_params(reader, cfg: DeepseekConfig, dtype: str = "float32", progress: bool = True,
-                  token_map: np.ndarray | None = None) -> dict:
-    """Host params, each tensor read (memory-mapped), dequantised and placed once."""
+                  token_map: np.ndarray | None = None, keep_quantized: bool = False) -> dict:
+    """Host params, each tensor read (memory-mapped), dequantised and placed once.
+
+    keep_quantized: FP8 linears and FP4 experts stay as their bytes ({"fp8"|"fp4": uint8, "scale": E8M0 uint8},
+    checkpoint [out, in] layout) and are expanded inside the matmul (jaxmodels.deepseek.dequant); Engram's wkv
+    stays FP8 as `wkv` + `wkv_scale` (layers/engram.py); wo_a and the Engram tables are dequantised as always.
+    """
     target = np_dtype(dtype)
     shapes = _flat(deepseek.param_shapes(cfg))
-    out: dict[str, np.ndarray] = {}
+    out: dict = {}
     for name, scale, path, expert, t in tqdm(plan(reader, cfg), desc="import", unit="tensor", disable=not progress,
                                               leave=False):
+        if keep_quantized and scale is not None and path.endswith("engram/wkv"):  # engram_inject's own layout
+            out[path], out[path + "_scale"] = _raw(reader.get(name)), _raw(reader.get(scale))
+            continue
+        if keep_quantized and scale is not None and t == "T":
+            q = {"fp4" if _is_packed(reader, name, scale) else "fp8": _raw(reader.get(name)),
+                 "scale": _raw(reader.get(scale))}
+            if expert is None:
+                out[path] = q
+            else:
+                E = shapes[path][0]
+                slot = out.setdefault(path, {k: np.zeros((E, *v.shape), np.uint8) for k, v in q.items()})
+                for k, v in q.items():
+                    slot[k][expert] = v
+            continue
         v = _value(reader, name, scale, t, cfg)
-        v = v.astype(np.int32 if t == "int" else (np.float32 if path.split("/")[-2:-1] == ["hc_head"]
-                                                  or "/hc_" in path else target))
+        v = v.astype(np.int32 if t == "int" else (np.float32 if "/hc_" in path or path.startswith("hc_") else target))
         if expert is None:
             out[path] = v
         else:
@@ -207,5 +225,19 @@ def import_params(reader, cfg: DeepseekConfig, dtype: str = "float32", progress:
             raise CheckpointError("this model uses Engram, which needs the tokenizer (tokenizer.json) to build its "
                                   "compressed-vocabulary map; none was found")
         out["engram_map"] = np.asarray(token_map, np.int32)
-    return unflatten(out)
+    tree = {}
+    for path, v in out.items():  # paths name params; a kept-quantized param is itself a small dict
+        *parents, leaf = path.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = v
+    return tree
 
+
+def _raw(a) -> np.ndarray:
+    """The bytes of an FP8 / FP4 / E8M0 tensor as uint8, never numerically cast."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.itemsize != 1:
+        raise CheckpointError(f"expected a 1-byte quantized tensor, got {a.dtype}")
+    return a.view(np.uint8)

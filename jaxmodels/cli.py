@@ -13,7 +13,8 @@ DTYPES = ("bfloat16", "float32", "float16")
 def _convert(args) -> int:
     import converters
 
-    dst = converters.convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force)
+    dst = converters.convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force,
+                             keep_quantized=args.keep_quantized)
     print(f"converted {args.src} -> {dst}")
     return 0
 
@@ -122,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("dst", help="output directory (written atomically)")
     c.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="parameter dtype (default: bfloat16)")
     c.add_argument("--force", action="store_true", help="replace dst if it exists")
+    c.add_argument("--keep-quantized", action="store_true",
+                   help="DeepSeek V4: keep FP8/FP4 weights quantized (expanded inside the matmul)")
     c.set_defaults(fn=_convert)
 
     i = sub.add_parser("inspect", help="architecture, layer plan, parameter count and bytes")

@@ -110,13 +110,26 @@ def _reference(cfg) -> bool:
 
 def _lin(cfg, x, w, fp8: bool = True):
     """x @ w. Reference numerics: FP8 linears quantise their input per block (UE8M0), then compute in fp32
-    over the dequantised weight and return bf16; the rest multiply in the weight's dtype."""
-    if _reference(cfg):
-        if fp8:
-            x = qdq.act_quant_fp8(x, cfg.quant_block)
-            return jnp.einsum("...i,io->...o", x.astype(F32), w.astype(F32)).astype(x.dtype)
-        return jnp.einsum("...i,io->...o", x.astype(w.dtype), w).astype(x.dtype)
+    over the dequantised weight; the rest multiply in the weight's dtype. `w` is [in, out], or a weight kept
+    quantized in the checkpoint's [out, in] layout (`dequant`), expanded here inside the computation."""
+    if _reference(cfg) and fp8:
+        x = qdq.act_quant_fp8(x, cfg.quant_block)
+        if isinstance(w, dict):
+            return jnp.einsum("...i,oi->...o", x.astype(F32), dequant(w, F32)).astype(x.dtype)
+        return jnp.einsum("...i,io->...o", x.astype(F32), w.astype(F32)).astype(x.dtype)
+    if isinstance(w, dict):
+        return jnp.einsum("...i,oi->...o", x, dequant(w, x.dtype))
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+
+
+def dequant(w: dict, dtype):
+    """A kept-quantized weight -> dtype [..., out, in]: {"fp8": e4m3 bytes [.., O, I], "scale": E8M0 block grid}
+    (32x32 or 128x128 blocks, read off the grid) or {"fp4": packed e2m1 [.., O, I/2], "scale": E8M0 [.., O, I/32]}."""
+    if "fp4" in w:
+        return qdq.dequant_fp4(w["fp4"], w["scale"], 32, dtype)
+    o, i = w["fp8"].shape[-2:]
+    block = next(b for b in (32, 128, 64, 16) if w["scale"].shape[-2:] == (-(-o // b), -(-i // b)))
+    return qdq.dequant_fp8(w["fp8"], w["scale"], block, dtype)
 
 
 def _rms(cfg, x, w):
@@ -362,11 +375,31 @@ def _moe(cfg, L, p, x, tokens):
                    intermediate_size=cfg.moe_intermediate_size, num_experts=cfg.num_experts, top_k=cfg.top_k)
     if _reference(cfg):
         return _moe_reference(cfg, spec, p, xt, w, idx).reshape(shape)
-    out = moe._routed(spec, p, xt, w.astype(x.dtype), idx, 0)
-    return (out + mlp.gated(spec, p["shared"], xt)).reshape(shape)
+    if isinstance(p["w_gate"], dict):
+        out = _routed_quantized(spec, p, xt, w.astype(x.dtype), idx)
+    else:
+        out = moe._routed(spec, p, xt, w.astype(x.dtype), idx, 0)
+    return (out + _expert(cfg, spec, p["shared"], xt).astype(x.dtype)).reshape(shape)
+
+
+def _routed_quantized(spec, p, xt, w, idx):
+    """Experts kept quantized ([E, out, in] FP4/FP8 + scales). Decode (tokens * top_k <= experts) gathers the
+    chosen experts' packed bytes and expands only those; otherwise every expert is expanded once and the
+    dropless grouped path runs."""
+    names = ("w_gate", "w_up", "w_down")
+    if xt.shape[0] * spec.top_k > spec.num_experts:
+        full = {n: jnp.swapaxes(dequant(p[n], xt.dtype), -1, -2) for n in names}
+        return moe._routed(spec, full, xt, w, idx, 0)
+    e = idx.reshape(-1)
+    W = {n: dequant({k: v[e] for k, v in p[n].items()}, xt.dtype) for n in names}  # [N*k, out, in]
+    rows = jnp.repeat(xt, spec.top_k, axis=0)
+    g, u = jnp.einsum("nd,nfd->nf", rows, W["w_gate"]), jnp.einsum("nd,nfd->nf", rows, W["w_up"])
+    y = jnp.einsum("nf,ndf->nd", mlp.activate(spec, g, u), W["w_down"])
+    return jnp.sum(y.reshape(xt.shape[0], spec.top_k, -1) * w[..., None], axis=1).astype(xt.dtype)
 
 
 def _expert(cfg, spec, p, x, weight=None):
+    """One gated expert (the shared one, or routed ones in reference numerics), activation in fp32."""
     g = _lin(cfg, x, p["w_gate"]).astype(F32)
     u = _lin(cfg, x, p["w_up"]).astype(F32)
     h = mlp.activate(spec, g, u)
@@ -380,7 +413,7 @@ def _moe_reference(cfg, spec, p, xt, w, idx):
     y = jnp.zeros(xt.shape, F32)
     for e in range(cfg.num_experts):
         we = jnp.sum(jnp.where(idx == e, w, 0.0), axis=-1, keepdims=True)
-        pe = {k: p[k][e] for k in ("w_gate", "w_up", "w_down")}
+        pe = {k: jax.tree.map(lambda t: t[e], p[k]) for k in ("w_gate", "w_up", "w_down")}
         y = y + jnp.where(we > 0, _expert(cfg, spec, pe, xt, we), 0.0)
     return (y + _expert(cfg, spec, p["shared"], xt)).astype(xt.dtype)
 

@@ -267,3 +267,21 @@ def test_import_errors(v41, tmp_path):
     assert "unexpected tensor 'layers.9.attn.attn_sink'" in attempt(
         lambda t: t.update({"layers.9.attn.attn_sink": np.zeros(4, np.float32)}))
     assert "shape" in attempt(lambda t: t.update({"norm.weight": np.zeros(7, np.float32)}))
+
+
+def test_keep_quantized_equals_dequantised(v41, tmp_path):
+    """FP8 linears and FP4 experts kept as bytes (expanded inside the matmul): the same logits, in the full
+    forward (all experts expanded, grouped path) and in cached decode (only the chosen experts' bytes gathered),
+    also after a convert -> load round trip through orbax."""
+    path, cfg, params, _ = v41
+    dst = converters.convert(path, tmp_path / "q", dtype="float32", progress=False, keep_quantized=True)
+    model = jm.load(dst)
+    wq = model.params["layers"]["1"]["attn"]["wq_b"]
+    experts = model.params["layers"]["3"]["ffn"]["w_down"]
+    assert set(wq) == {"fp8", "scale"} and wq["fp8"].dtype == jnp.uint8
+    assert set(experts) == {"fp4", "scale"} and experts["fp4"].shape[-1] * 2 == cfg.moe_intermediate_size
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 40))
+    ref = np.asarray(_jit_forward(cfg)(params, jnp.asarray(ids, jnp.int32)))
+    out = np.asarray(_jit_forward(cfg)(model.params, jnp.asarray(ids, jnp.int32)))
+    assert np.abs(out - ref).max() <= TOL
+    assert _cached_vs_full(cfg, model.params, ids, np.array([17, 30]), 6, 48) <= TOL
