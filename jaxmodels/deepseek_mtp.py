@@ -17,7 +17,12 @@ FP8 QDQ in reference numerics). The draft block [last_token, noise x (blk-1)] si
 start_pos+1 .. start_pos+blk and attends that window plus the whole block (bidirectional), with sinks and the
 ratio-0 RoPE (rope_theta, no YaRN). The stages chain through the hc stream with the delayed pre-mix; the last
 one collapses, norms, applies the shared head, then per step adds the Markov bias of the previous id and picks
-the next id greedily. Confidence = proj(cat(x, markov_embed)) on the collapsed hidden BEFORE the final norm.
+the next id greedily (the reference samples with its temperature; here greedy). Confidence =
+proj(cat(x, markov_embed)) on the collapsed hidden BEFORE the final norm.
+
+Entry points: `dspark_draft` (from the last `window` mains), or for serving the rings `dspark_init_cache` /
+`dspark_prefill_cache` / `dspark_step_cache` / `dspark_draft_cached`; `mtp_forward` (V4); `backbone` (a full
+forward that also returns the mains and the final hc stream).
 """
 from __future__ import annotations
 
@@ -249,6 +254,41 @@ def dspark_draft_from_window(params, cfg: DeepseekConfig, window_kv, window_ok, 
     feats = jnp.concatenate([h.astype(F32), jnp.stack(embeds, axis=1)], axis=-1)
     conf = (feats @ pl["confidence_head"]["proj"].astype(F32))[..., 0]
     return logits, jnp.stack(out, axis=1), conf
+
+
+def dspark_init_cache(cfg: DeepseekConfig, batch: int, dtype) -> dict:
+    """Per stage, the ring of main-KV the reference keeps (`window_kv_cache`), and the position in each slot."""
+    W, d = cfg.window, cfg.head_dim
+    return {"win": {str(m): jnp.zeros((batch, W, d), dtype) for m in range(cfg.mtp_layers)},
+            "win_pos": jnp.full((batch, W), -1, jnp.int32)}
+
+
+def dspark_prefill_cache(params, cfg: DeepseekConfig, cache, mains, lengths):
+    """Fill the rings from a right-padded prefill: mains [B, T, K*D] of positions 0..T-1, `lengths` [B]
+    (the reference's `forward_spec` at start_pos 0, which only seeds the window)."""
+    B, T = mains.shape[:2]
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    slots = cache["win_pos"].shape[1]
+    kv = dspark_window_kv(params, cfg, mains, pos)
+    win = {m: ds._ring_fill(v, lengths, slots)[0].astype(cache["win"][m].dtype) for m, v in kv.items()}
+    return {"win": win, "win_pos": ds._ring_fill(pos[..., None], lengths, slots)[1]}
+
+
+def dspark_step_cache(params, cfg: DeepseekConfig, cache, mains, positions):
+    """Write one decode step's main-KV: mains [B, 1, K*D] of the backbone step at positions [B]."""
+    b = jnp.arange(mains.shape[0])
+    slot = positions % cache["win_pos"].shape[1]
+    kv = dspark_window_kv(params, cfg, mains, positions[:, None])
+    win = {m: cache["win"][m].at[b, slot].set(v[:, 0].astype(cache["win"][m].dtype)) for m, v in kv.items()}
+    return {"win": win, "win_pos": cache["win_pos"].at[b, slot].set(positions)}
+
+
+def dspark_draft_cached(params, cfg: DeepseekConfig, cache, last_token, start_pos):
+    """dspark_draft over the rings (after dspark_step_cache at `start_pos`, or a prefill ending there)."""
+    sp = jnp.broadcast_to(jnp.asarray(start_pos, jnp.int32), cache["win_pos"].shape[:1])[:, None]
+    wpos = cache["win_pos"]
+    ok = (wpos >= 0) & (wpos <= sp) & (wpos > sp - cfg.window)
+    return dspark_draft_from_window(params, cfg, cache["win"], ok, last_token, start_pos)
 
 
 # ---------------------------------------------------------------------------------------- V4 classic MTP

@@ -119,10 +119,20 @@ def test_dspark_reference_numerics_match_oracle(v41, plain):
 
 def test_dspark_window(v41, plain):
     """Only the last `window` mains are read, and rows before position 0 are ignored (a short history, against
-    the oracle at position 5)."""
+    the oracle at position 5); the serving rings (prefill of 30 ragged-padded positions, then 10 decode steps)
+    give the same draft as the mains."""
     path, cfg, params, token_map = v41
     mains, full, _ = plain
     W, first = cfg.window, jnp.asarray(FIRST, jnp.int32)
+    cache = dm.dspark_init_cache(cfg, 2, jnp.float32)
+    pad = jnp.concatenate([mains[:, :30], jnp.full_like(mains[:, :3], 1e3)], 1)  # padding past the lengths
+    cache = jax.jit(dm.dspark_prefill_cache, static_argnums=1)(params, cfg, cache, pad, jnp.asarray([30, 30]))
+    step = jax.jit(dm.dspark_step_cache, static_argnums=1)
+    for p in range(30, 40):
+        cache = step(params, cfg, cache, mains[:, p:p + 1], jnp.asarray([p, p], jnp.int32))
+    cached = jax.jit(dm.dspark_draft_cached, static_argnums=1)(params, cfg, cache, first, jnp.int32(39))
+    for a, b in zip(full, cached):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     for a, b in zip(full, _draft(params, cfg, mains[:, -W:], first, jnp.int32(39))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     garbage = jnp.full_like(mains[:, : W - 6], 1e3)
