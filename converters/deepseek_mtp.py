@@ -95,12 +95,25 @@ def mtp_plan(reader, cfg: DeepseekConfig) -> list[tuple[str, str | None, str, in
     return out
 
 
-def import_mtp(reader, cfg: DeepseekConfig, dtype: str = "float32") -> dict:
-    """Host params {"mtp": {...}} (empty dict when the config has no MTP and the checkpoint none either)."""
+def import_mtp(reader, cfg: DeepseekConfig, dtype: str = "float32", keep_quantized: bool = False) -> dict:
+    """Host params {"mtp": {...}} (empty dict when the config has no MTP and the checkpoint none either).
+
+    keep_quantized: FP8 linears and FP4 experts stay as their bytes, in the layout converters/deepseek.py's
+    import_params uses ({"fp8"|"fp4": uint8, "scale": E8M0 uint8}, [out, in]), expanded inside the matmul."""
     target = np_dtype(dtype)
     shapes = dsc._flat(deepseek_mtp.mtp_param_shapes(cfg))
-    out: dict[str, np.ndarray] = {}
+    out: dict = {}
     for name, scale, path, expert, t in mtp_plan(reader, cfg):
+        if keep_quantized and scale is not None and t == "T":
+            q = {"fp4" if dsc._is_packed(reader, name, scale) else "fp8": dsc._raw(reader.get(name)),
+                 "scale": dsc._raw(reader.get(scale))}
+            if expert is None:
+                out[path] = q
+            else:
+                slot = out.setdefault(path, {k: np.zeros((shapes[path][0], *v.shape), np.uint8) for k, v in q.items()})
+                for k, v in q.items():
+                    slot[k][expert] = v
+            continue
         v = dsc._value(reader, name, scale, t, cfg)
         v = v.astype(np.float32 if "/hc_" in path else target)  # mHC parameters stay fp32, as in the backbone
         if expert is None:

@@ -140,6 +140,18 @@ def test_dspark_window(v41, plain):
     _compare(short, oracle.dspark_forward(str(path), IDS[:, :6], token_map=token_map, first_token=FIRST), TOL)
 
 
+def test_dspark_keep_quantized(v41, plain):
+    """MTP weights kept as FP8/FP4 bytes (expanded inside the matmul) give the dequantised model's draft."""
+    path, cfg, params, _ = v41
+    mains, full, _ = plain
+    q = cm.import_mtp(SafetensorsReader(path), cfg, keep_quantized=True)
+    assert set(q["mtp"]["0"]["main_proj"]) == {"fp8", "scale"}
+    assert set(q["mtp"]["1"]["ffn"]["w_down"]) == {"fp4", "scale"}
+    qp = {**params, "mtp": jax.tree.map(jnp.asarray, q["mtp"])}
+    for a, b in zip(full, _draft(qp, cfg, mains, jnp.asarray(FIRST, jnp.int32), jnp.int32(39))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------- import
 def _tensors(path):
     names = SafetensorsReader(path).keys()
