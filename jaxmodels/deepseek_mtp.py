@@ -213,6 +213,9 @@ def dspark_draft(params, cfg: DeepseekConfig, mains, last_token, start_pos):
     ids [B, blk+1] int32 = [last_token, greedy drafts], confidence [B, blk] fp32).
     """
     B, T = mains.shape[:2]
+    if isinstance(start_pos, int) and T < min(cfg.window, start_pos + 1):
+        raise ValueError(f"the draft at position {start_pos} reads the last {min(cfg.window, start_pos + 1)} "
+                         f"positions' mains; got {T}")
     sp = jnp.broadcast_to(jnp.asarray(start_pos, jnp.int32), (B,))
     mpos = sp[:, None] - (T - 1) + jnp.arange(T)  # the rows' backbone positions
     ok = (mpos >= 0) & (mpos > sp[:, None] - cfg.window)  # the ring holds the last `window` positions
