@@ -12,7 +12,7 @@ reference's `get_moe_config` does) plus, weights [in, out]:
 
 DSpark (REF41 `DSparkBlock` / `DSparkAttention` / `forward_spec`): after the backbone has processed the token at
 `start_pos`, main_x = main_norm(main_proj(concat of the hc-means of the inputs of the target layers)). Every stage
-keeps its own 128-slot window of KV computed from main_x (its own wkv / kv_norm, RoPE at the backbone position,
+keeps its own window (cfg.window slots, 128 in Flash) of KV computed from main_x (its own wkv / kv_norm, RoPE at the backbone position,
 FP8 QDQ in reference numerics). The draft block [last_token, noise x (blk-1)] sits at positions
 start_pos+1 .. start_pos+blk and attends that window plus the whole block (bidirectional), with sinks and the
 ratio-0 RoPE (rope_theta, no YaRN). The stages chain through the hc stream with the delayed pre-mix; the last
@@ -73,25 +73,6 @@ def mtp_param_shapes(cfg: DeepseekConfig) -> dict:
                   "hc_head": {"fn": (n, n * D), "base": (n,), "scale": (1,)}}
         out[str(m)] = s
     return {"mtp": out}
-
-
-def init_mtp_params(cfg: DeepseekConfig, seed: int = 0, dtype=F32, std: float = 0.02) -> dict:
-    """Random MTP params for tests and benchmarks (norms 1, hc scales 0.5, the rest N(0, std))."""
-    shapes = mtp_param_shapes(cfg)
-    flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
-    keys = jax.random.split(jax.random.PRNGKey(seed), max(len(flat), 1))
-    leaves = []
-    for (path, shape), k in zip(flat, keys):
-        name = "/".join(p.key for p in path)
-        leaf = name.rsplit("/", 1)[-1]
-        if leaf.endswith("norm"):
-            v = jnp.ones(shape, dtype)
-        elif leaf == "scale" and "hc_" in name:
-            v = jnp.full(shape, 0.5, dtype)
-        else:
-            v = (std * jax.random.normal(k, shape, F32)).astype(dtype)
-        leaves.append(v)
-    return jax.tree.unflatten(jax.tree.structure(shapes, is_leaf=lambda x: isinstance(x, tuple)), leaves)
 
 
 # ------------------------------------------------------------------------------------------ shared pieces
