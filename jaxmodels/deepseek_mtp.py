@@ -13,8 +13,8 @@ reference's `get_moe_config` does) plus, weights [in, out]:
 DSpark (REF41 `DSparkBlock` / `DSparkAttention` / `forward_spec`): after the backbone has processed the token at
 `start_pos`, main_x = main_norm(main_proj(concat of the hc-means of the inputs of the target layers)). Every stage
 keeps its own window (cfg.window slots, 128 in Flash) of KV computed from main_x (its own wkv / kv_norm, RoPE
-at the backbone position, FP8 QDQ in reference numerics). The draft block [last_token, noise x (blk-1)] sits at positions
-start_pos+1 .. start_pos+blk and attends that window plus the whole block (bidirectional), with sinks and the
+at the backbone position, FP8 QDQ in reference numerics). The draft block [last_token, noise x (blk-1)] sits at
+positions start_pos+1 .. start_pos+blk and attends that window plus the whole block (bidirectional), with sinks and the
 ratio-0 RoPE (rope_theta, no YaRN). The stages chain through the hc stream with the delayed pre-mix; the last
 one collapses, norms, applies the shared head, then per step adds the Markov bias of the previous id and picks
 the next id greedily (the reference samples with its temperature; here greedy). Confidence =
