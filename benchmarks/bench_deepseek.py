@@ -49,12 +49,14 @@ def step_bytes(cfg: DeepseekConfig, params, batch: int, max_len: int) -> dict:
     experts, the routed experts the batch picks (expected distinct experts under uniform routing), and the
     caches it attends (window + compressed entries + index keys, bf16)."""
     E, k = cfg.num_experts, cfg.top_k
-    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    expert = params["layers"]["0"]["ffn"]["w_gate"]
+    per_param = (0.5 + 1 / 32) if isinstance(expert, dict) else 2  # FP4 bytes + one E8M0 per 32, or bf16
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * per_param
     distinct = E * (1 - (1 - k / E) ** batch)
     dense = 0
     for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = "/".join(str(getattr(p, "key", p)) for p in path)
-        routed = name.rsplit("/", 1)[-1] in ("w_gate", "w_up", "w_down") and "/shared/" not in name
+        routed = any(f"/{n}" in name for n in ("w_gate", "w_up", "w_down")) and "/shared/" not in name
         if not routed and name != "embed":
             dense += a.size * a.dtype.itemsize
     cache = sum(cfg.window * cfg.head_dim + ((max_len // L.ratio) * (cfg.head_dim * L.compress + cfg.index_head_dim
@@ -64,7 +66,7 @@ def step_bytes(cfg: DeepseekConfig, params, batch: int, max_len: int) -> dict:
             "total": dense + routed + batch * cache, "distinct_experts_per_layer": distinct}
 
 
-def run(batches, prompt, steps, reps, tiny=False):
+def run(batches, prompt, steps, reps, tiny=False, fp4=False):
     cfg = flash_config()
     if tiny:  # a CPU smoke run of this script: same roles, toy widths
         cfg = dataclasses.replace(cfg, vocab_size=256, hidden_size=64, num_heads=4, head_dim=64, rope_dim=16,
@@ -75,7 +77,8 @@ def run(batches, prompt, steps, reps, tiny=False):
     out["ceilings"] = jax_ceilings({"bw_bytes": (1 << 20) if tiny else (4 << 30), "mm": 256 if tiny else 8192})
     bw = max(out["ceilings"]["elementwise_rw_GBps"], out["ceilings"]["reduce_read_GBps"]) * 1e9
     t0 = time.perf_counter()
-    params = jax.jit(lambda: D.init_params(cfg, dtype=jnp.bfloat16))()
+    params = jax.jit(lambda: D.init_params(cfg, dtype=jnp.bfloat16, fp4_experts=fp4))()
+    out["experts"] = "fp4 kept quantized" if fp4 else "bf16"
     jax.block_until_ready(params)
     out["init_s"] = time.perf_counter() - t0
     out["param_GB"] = sum(a.nbytes for a in jax.tree.leaves(params)) / 1e9
@@ -142,8 +145,9 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="deepseek.json")
     ap.add_argument("--tiny", action="store_true", help="toy widths, for a CPU smoke run")
+    ap.add_argument("--fp4", action="store_true", help="routed experts kept as FP4 bytes (expanded in the matmul)")
     a = ap.parse_args()
-    res = run([int(b) for b in a.batches.split(",")], a.prompt, a.steps, a.reps, a.tiny)
+    res = run([int(b) for b in a.batches.split(",")], a.prompt, a.steps, a.reps, a.tiny, a.fp4)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     log(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))

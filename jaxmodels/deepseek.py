@@ -81,14 +81,20 @@ def _is_int(path: str) -> bool:
     return path.rsplit("/", 1)[-1] in INT_PARAMS
 
 
-def init_params(cfg: DeepseekConfig, seed: int = 0, dtype=F32, std: float = 0.02) -> dict:
-    """Random parameters for tests and benchmarks: norms 1, hc/ape/biases small, routing tables random."""
+def init_params(cfg: DeepseekConfig, seed: int = 0, dtype=F32, std: float = 0.02, fp4_experts: bool = False) -> dict:
+    """Random parameters for tests and benchmarks: norms 1, hc/ape/biases small, routing tables random.
+    fp4_experts: routed experts as random FP4 bytes with E8M0 scale 2^-6 (kept quantized, [E, out, in/2])."""
     flat = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))[0]
     keys = jax.random.split(jax.random.PRNGKey(seed), len(flat))
     leaves = []
     for (path, shape), k in zip(flat, keys):
         name = "/".join(p.key for p in path)
         leaf = name.rsplit("/", 1)[-1]
+        if fp4_experts and leaf in ("w_gate", "w_up", "w_down") and "/shared/" not in name:
+            E, n_in, n_out = shape
+            leaves.append({"fp4": jax.random.randint(k, (E, n_out, n_in // 2), 0, 256, jnp.int32).astype(jnp.uint8),
+                           "scale": jnp.full((E, n_out, n_in // 32), 121, jnp.uint8)})
+            continue
         if leaf == "tid2eid":
             v = jax.random.randint(k, shape, 0, cfg.num_experts, jnp.int32)
         elif leaf == "engram_map":
@@ -493,8 +499,13 @@ def _stream(params, cfg: DeepseekConfig, tokens, positions, mode, cache=None, le
 
 
 def _head(cfg, params, x):
+    """fp32 logits. The reference keeps the head in fp32; for bf16 weights the bf16 x bf16 products are exact in
+    fp32, so the matmul accumulates in fp32 without an fp32 copy of the [D, V] head each step."""
     h = _rms(cfg, x, params["norm"])
-    return jnp.einsum("...d,dv->...v", h.astype(F32), params["head"].astype(F32))
+    head = params["head"]
+    if h.dtype == head.dtype:
+        return jnp.einsum("...d,dv->...v", h, head, preferred_element_type=F32)
+    return jnp.einsum("...d,dv->...v", h.astype(F32), head.astype(F32))
 
 
 def forward(params, cfg: DeepseekConfig, tokens, positions=None):
