@@ -154,19 +154,7 @@ def tiny_config(name):
     return cfg
 
 
-def _params():
-    out = []
-    for name in FAMILIES:
-        marks = []
-        if name == "gemma3":
-            # A real finding: ttnn 0.81.1 has UnaryOpType.GELU_TANH, not GELU_APPROX (see api_signatures.json).
-            marks = [pytest.mark.xfail(strict=True, raises=TTNNExecError,
-                                       reason="lowering emits ttnn.UnaryOpType.GELU_APPROX, absent from ttnn 0.81.1")]
-        out.append(pytest.param(name, marks=marks))
-    return out
-
-
-@pytest.mark.parametrize("family", _params())
+@pytest.mark.parametrize("family", list(FAMILIES))  # gemma3 once caught GELU_APPROX, absent from ttnn 0.81.1
 def test_lowered_programs_map_onto_the_real_api(fake, family):
     import tt_backend
 
