@@ -42,18 +42,26 @@ def open_source(src: str | Path):
     return cfg, reader, families.name_map(fam, cfg), fam.skip, tok
 
 
-def read_source(src: str | Path, dtype: str = "float32", progress: bool = True, keep_quantized: bool = False
-                ) -> tuple[ModelConfig, dict, Tokenizer | None]:
+def read_source(src: str | Path, dtype: str = "float32", progress: bool = True, keep_quantized: bool = False,
+                skip_mtp: bool = False) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """Import a checkpoint into host memory: (config, numpy params, tokenizer or None).
 
-    keep_quantized: FP8/FP4 weights (DeepSeek V4) stay quantized in the params, expanded inside the matmul.
+    DeepSeek V4: keep_quantized keeps FP8/FP4 weights quantized in the params (expanded inside the matmul);
+    the MTP / DSpark weights (`mtp.*`) are loaded under params["mtp"] when the checkpoint has them, unless
+    skip_mtp.
     """
     cfg, reader, names, skip, tok = open_source(src)
     if isinstance(cfg, DeepseekConfig):
-        from converters import deepseek
+        from converters import deepseek, deepseek_mtp
 
         token_map = _engram_map(tok, cfg) if cfg.engram_layer_ids and tok is not None else None
-        return cfg, deepseek.import_params(reader, cfg, dtype, progress, token_map, keep_quantized), tok
+        params = deepseek.import_params(reader, cfg, dtype, progress, token_map, keep_quantized)
+        if any(deepseek.canonical(k).startswith("mtp.") for k in reader.keys()):
+            if skip_mtp:
+                log.info("left out the MTP / DSpark weights (skip_mtp)")
+            else:
+                params |= deepseek_mtp.import_mtp(reader, cfg, dtype, keep_quantized)
+        return cfg, params, tok
     if keep_quantized:
         raise ValueError(f"keep_quantized applies to DeepSeek V4's FP8/FP4 checkpoints, not to {cfg.family}")
     return cfg, import_params(reader, cfg, names, dtype, progress, skip=skip), tok
@@ -84,14 +92,14 @@ def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32
 
 
 def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite: bool = False,
-            progress: bool = True, keep_quantized: bool = False) -> Path:
+            progress: bool = True, keep_quantized: bool = False, skip_mtp: bool = False) -> Path:
     """Convert a checkpoint into `dst` (orbax params + config + tokenizer). Returns `dst`.
 
-    Nothing is left at `dst` if anything fails. keep_quantized: see `read_source`.
+    Nothing is left at `dst` if anything fails. keep_quantized, skip_mtp: see `read_source`.
     """
     from converters import orbax_io
 
-    cfg, params, tok = read_source(src, dtype, progress, keep_quantized)
+    cfg, params, tok = read_source(src, dtype, progress, keep_quantized, skip_mtp)
     out = orbax_io.save(dst, cfg, params, tok, overwrite=overwrite)
     log.info("converted %s -> %s", src, out)
     return out

@@ -14,7 +14,7 @@ def _convert(args) -> int:
     import converters
 
     dst = converters.convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force,
-                             keep_quantized=args.keep_quantized)
+                             keep_quantized=args.keep_quantized, skip_mtp=args.skip_mtp)
     print(f"converted {args.src} -> {dst}")
     return 0
 
@@ -125,6 +125,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="replace dst if it exists")
     c.add_argument("--keep-quantized", action="store_true",
                    help="DeepSeek V4: keep FP8/FP4 weights quantized (expanded inside the matmul)")
+    c.add_argument("--skip-mtp", action="store_true", help="DeepSeek V4: leave out the MTP / DSpark weights")
     c.set_defaults(fn=_convert)
 
     i = sub.add_parser("inspect", help="architecture, layer plan, parameter count and bytes")

@@ -449,8 +449,10 @@ def _layout(cfg):
                                            cfg.engram_n_heads, cfg.engram_compressed_vocab)
 
 
-def _stream(params, cfg: DeepseekConfig, tokens, positions, mode, cache=None, lengths=None):
-    """Embeddings -> all layers -> the final collapsed hidden state [B, T, D] (+ the new cache)."""
+def _stream(params, cfg: DeepseekConfig, tokens, positions, mode, cache=None, lengths=None, collect=False):
+    """Embeddings -> all layers -> the final collapsed hidden state [B, T, D] (+ the new cache).
+    collect: also return what the MTP heads read (jaxmodels/deepseek_mtp.py): the DSpark target layers' input
+    means and the final hc stream."""
     dt = _dtype(cfg, params)
     B, T = tokens.shape
     n = cfg.hc_mult
@@ -495,7 +497,10 @@ def _stream(params, cfg: DeepseekConfig, tokens, positions, mode, cache=None, le
         pre = pF
     if not cfg.v41:  # V4: a learned collapse; V4.1: the last FFN pre-mix
         pre = mhc.head_pre(X, params["hc_head"], norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps)
-    return mhc.collapse(X, pre), new_cache
+    x = mhc.collapse(X, pre)
+    if collect:
+        return x, new_cache, {"mains": jnp.concatenate(mains, axis=-1) if mains else None, "stream": X}
+    return x, new_cache
 
 
 def _head(cfg, params, x):

@@ -27,7 +27,6 @@ forward that also returns the mains and the final hc stream).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -108,51 +107,8 @@ def backbone(params, cfg: DeepseekConfig, tokens):
     mains [B, T, K*D] (V4.1: the hc-means of the target layers' inputs, concatenated in target order; None
     otherwise), stream [B, T, n, D] (the final hc stream before the collapse, V4's MTP input))."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    if "collect" in inspect.signature(ds._stream).parameters:  # the owner's hook, when present
-        x, _, aux = ds._stream(params, cfg, tokens, positions, "full", collect=True)
-        return ds._head(cfg, params, x), aux["mains"], aux["stream"]
-    return _backbone_full(params, cfg, tokens, positions)
-
-
-def _backbone_full(params, cfg, tokens, positions):
-    """Stand-in for deepseek._stream in "full" mode until it exposes its mains and final stream: the same loop
-    (same helpers, same order), no cache."""
-    dt = params["embed"].dtype
-    B, T = tokens.shape
-    n = cfg.hc_mult
-    x = params["embed"][tokens].astype(dt)
-    X = jnp.broadcast_to(x[:, :, None, :], (B, T, n, x.shape[-1]))
-    ctx = {"positions": positions, "mode": "full", "lengths": None,
-           "rope": {False: rope.cos_sin(cfg.main_rope, cfg.rope_dim, positions, F32),
-                    True: rope.cos_sin(cfg.compress_rope, cfg.rope_dim, positions, F32)}}
-    if cfg.engram_layer_ids:
-        from jaxmodels.layers import engram
-
-        cols = ds._engram_columns(cfg, params, tokens, positions,
-                                  jnp.full((B, cfg.engram_max_ngram - 1), -1, jnp.int32))
-    hc = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_iters)
-    pre = jax.nn.one_hot(jnp.zeros((B, T), jnp.int32), n, dtype=F32)
-    shared: dict = {}
-    mains = []
-    for i, L in enumerate(cfg.layers):
-        lp = params["layers"][str(i)]
-        if L.engram >= 0:
-            X = engram.engram_inject(lp["engram"], X, cols[:, :, L.engram], None, cfg.norm_eps,
-                                     act_quant=ds._reference(cfg))
-        if i in cfg.dspark_target_layers:
-            mains.append(jnp.mean(X.astype(F32), axis=2))
-        pA, qA, cA = mhc.mixes(X, lp["hc_attn"], **hc)
-        h = ds._rms(cfg, mhc.collapse(X, pre if cfg.v41 else pA), lp["attn_norm"])
-        y, _ = ds._attention(cfg, L, lp["attn"], h, ctx, shared, None)
-        X = mhc.expand(y, X, qA, cA)
-        pF, qF, cF = mhc.mixes(X, lp["hc_ffn"], **hc)
-        h = ds._rms(cfg, mhc.collapse(X, pA if cfg.v41 else pF), lp["ffn_norm"])
-        X = mhc.expand(ds._moe(cfg, L, lp["ffn"], h, tokens), X, qF, cF)
-        pre = pF
-    if not cfg.v41:
-        pre = mhc.head_pre(X, params["hc_head"], norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps)
-    logits = ds._head(cfg, params, mhc.collapse(X, pre))
-    return logits, (jnp.concatenate(mains, axis=-1) if mains else None), X
+    x, _, aux = ds._stream(params, cfg, tokens, positions, "full", collect=True)
+    return ds._head(cfg, params, x), aux["mains"], aux["stream"]
 
 
 # ------------------------------------------------------------------------------------------ V4.1 DSpark

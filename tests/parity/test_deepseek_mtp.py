@@ -63,9 +63,11 @@ def v41(tmp_path_factory):
     V = hf["text_config"]["vocab_size"]
     vocab = {(f"w{i // 2}" if i % 2 == 0 else f" W{i // 2}"): i for i in range(V)}
     Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
-    cfg, params, _ = converters.read_source(path, progress=False)
-    assert "mtp" not in params  # the backbone importer leaves mtp.* out
-    params = {**params, **cm.import_mtp(SafetensorsReader(path), cfg)}
+    cfg, params, _ = converters.read_source(path, progress=False)  # loads mtp.* by default
+    _, skipped, _ = converters.read_source(path, progress=False, skip_mtp=True)
+    assert "mtp" not in skipped
+    direct = cm.import_mtp(SafetensorsReader(path), cfg)
+    assert jax.tree.all(jax.tree.map(np.array_equal, params["mtp"], direct["mtp"]))
     return path, cfg, jax.tree.map(jnp.asarray, params), ck.stub_token_map(V)
 
 
