@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmodels.config import MLPSpec
 from jaxmodels.families.deepseek_v4 import DeepseekConfig, DSLayer
@@ -160,7 +161,23 @@ def _latent_qdq(cfg, x):
 
 
 def _index_qdq(cfg, x):
-    return qdq.fp4_act_quant(x, 32, "e8m0") if _reference(cfg) else x
+    """Reference: indexer q/k are FP4 with E8M0 scales per 32 (V4 rotates them by a Hadamard first; being
+    orthogonal and applied to both, the rotation changes nothing without the quantisation)."""
+    if not _reference(cfg):
+        return x
+    if not cfg.v41:
+        x = jnp.einsum("...i,ij->...j", x.astype(F32), jnp.asarray(_hadamard(x.shape[-1]))).astype(x.dtype)
+    return qdq.fp4_act_quant(x, 32, "e8m0")
+
+
+def _hadamard(n: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix of order n (a power of two), scaled by n^-0.5 (orthogonal)."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    if h.shape[0] != n:
+        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
+    return (h / np.sqrt(n)).astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------- compressor
@@ -322,11 +339,11 @@ def _indexer(cfg, L, ip, x, qr, ctx, shared, cache, new, vis, spec):
     elif L.index_keys == "compressor":  # V4: its own overlapped compressor at index_head_dim
         cp, pos = ip["compressor"], ctx["positions"]
         if mode == "decode":
-            _, k, emit, j, buf = _compress_step(cfg, cp, x, pos[:, 0], cache["ibuf"], L.ratio, True, spec, None)
+            _, k, emit, j, buf = _compress_step(cfg, cp, x, pos[:, 0], cache["ibuf"], L.ratio, True, spec, _index_qdq)
             new["ibuf"] = buf
             shared["index_k"] = new["index_k"] = _write_rows(cache["index_k"], k, j, emit)
         else:
-            _, k, (a, g) = _compress_full(cfg, cp, x, pos, L.ratio, True, spec, None)
+            _, k, (a, g) = _compress_full(cfg, cp, x, pos, L.ratio, True, spec, _index_qdq)
             shared["index_k"] = k
             if mode == "prefill":
                 size = cache["ibuf"]["kv"].shape[1]
@@ -546,12 +563,16 @@ def init_cache(cfg: DeepseekConfig, batch: int, max_len: int, dtype) -> dict:
     return out
 
 
-def cache_bytes_per_token(cfg: DeepseekConfig, dtype_bytes: int = 2) -> dict:
-    """Growing cache bytes per token (compressed KV + indexer keys over all layers that own them), and the
-    fixed window bytes per sequence, as this implementation stores them."""
-    grow = sum((cfg.head_dim * L.compress + cfg.index_head_dim * (L.index_keys in ("latent", "compressor")))
-               * dtype_bytes / L.ratio for L in cfg.layers if L.ratio)
-    return {"per_token": grow, "window_per_sequence": cfg.num_layers * cfg.window * cfg.head_dim * dtype_bytes}
+def cache_bytes_per_token(cfg: DeepseekConfig, dtype_bytes: int = 2, packed: bool = False) -> dict:
+    """Growing cache bytes per token (compressed KV + indexer keys of the layers that own them) and the fixed
+    window bytes per sequence. As stored here: `dtype_bytes` per value. packed=True: the reference's records,
+    FP4 values + an E4M3 scale per 16 (compressed KV) or an E8M0 scale per 32 (index keys) — the spec's
+    arithmetic (890 B/token for V4.1-Flash)."""
+    d, dI = cfg.head_dim, cfg.index_head_dim
+    kv, ik = (d / 2 + d / 16, dI / 2 + dI / 32) if packed else (d * dtype_bytes, dI * dtype_bytes)
+    grow = sum((kv * L.compress + ik * (L.index_keys in ("latent", "compressor"))) / L.ratio
+               for L in cfg.layers if L.ratio)
+    return {"per_token": grow, "window_per_sequence": cfg.num_layers * cfg.window * d * dtype_bytes}
 
 
 def _merge(cache, new):

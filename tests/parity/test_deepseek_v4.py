@@ -285,3 +285,26 @@ def test_keep_quantized_equals_dequantised(v41, tmp_path):
     out = np.asarray(_jit_forward(cfg)(model.params, jnp.asarray(ids, jnp.int32)))
     assert np.abs(out - ref).max() <= TOL
     assert _cached_vs_full(cfg, model.params, ids, np.array([17, 30]), 6, 48) <= TOL
+
+
+def test_v41_flash_cache_bytes_match_the_spec_arithmetic():
+    """The released V4.1-Flash layer plan (spec §1.2/§1.3) -> 890 B/token of global KV in the reference's packed
+    FP4 records (720 compressed + 170 index keys, the model card's figure); as stored here in bf16, 3200."""
+    from jaxmodels import deepseek
+    from jaxmodels.families import deepseek_v4
+
+    text = {"num_hidden_layers": 40, "num_nextn_predict_layers": 3, "hidden_size": 5120, "num_attention_heads": 64,
+            "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_groups": 8, "o_lora_rank": 1024,
+            "sliding_window": 128, "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+            "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+            "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
+            "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512, "n_routed_experts": 384,
+            "num_experts_per_tok": 6, "moe_intermediate_size": 2304,
+            "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                             "beta_fast": 32, "beta_slow": 1}}
+    cfg = deepseek_v4.config({"model_type": "deepseek_v41", "text_config": text})
+    assert [i for i, L in enumerate(cfg.layers) if L.compress] == [2, 8, 14, 20]
+    assert [i for i, L in enumerate(cfg.layers) if L.index_keys == "shared"] == [24, 28, 32, 36]
+    assert deepseek.cache_bytes_per_token(cfg, packed=True)["per_token"] == 890
+    assert deepseek.cache_bytes_per_token(cfg)["per_token"] == 3200
+    assert cfg.compress_rope.kind == "yarn" and cfg.norm_eps == 1e-20
