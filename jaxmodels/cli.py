@@ -25,6 +25,7 @@ def describe(path: str | Path) -> dict:
 
     from converters import orbax_io
     from jaxmodels import families, model as M
+    from jaxmodels.families.deepseek_v4 import DeepseekConfig
 
     path = Path(path)
     if orbax_io.is_converted(path):
@@ -38,9 +39,11 @@ def describe(path: str | Path) -> dict:
         cfg, dtype = families.config_from_hf(GGUFReader(path).hf_config), "gguf (quantized)"
     else:
         cfg, dtype = families.config_from_hf(json.loads((path / "config.json").read_text())), "source"
+    width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype if isinstance(dtype, str) else "", None)
+    if isinstance(cfg, DeepseekConfig):
+        return _describe_deepseek(cfg, path, dtype, width)
     shapes = M.flat_shapes(cfg)
     n = sum(math.prod(s) for s in shapes.values())
-    width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype if isinstance(dtype, str) else "", None)
     pl = M.plan(cfg)
     kinds = []
     for k, spec in enumerate(pl.kinds):
@@ -58,6 +61,39 @@ def describe(path: str | Path) -> dict:
             "parameters": n, "bytes": n * width if width else None,
             "scan": f"{pl.n_periods} × period of {pl.period}" + (f" + {cfg.num_layers % pl.period} tail" if cfg.num_layers % pl.period else ""),
             "kinds": kinds}
+
+
+def _describe_deepseek(cfg, path, dtype, width) -> dict:
+    """describe() for DeepSeek V4/V4.1: layers grouped by role (they run unrolled, not as a scanned plan)."""
+    import math
+
+    from jaxmodels import deepseek
+
+    n = sum(math.prod(s) for s in _shape_leaves(deepseek.param_shapes(cfg)))
+    roles: dict = {}
+    for i, L in enumerate(cfg.layers):
+        attn = f"window W={cfg.window}" + (f" + 1/{L.ratio} compressed ({L.select}"
+                                           + (", own" if L.compress else "") + ")" if L.ratio else "")
+        extra = [x for x, on in (("engram", L.engram >= 0), ("hash-routed", L.hash_moe),
+                                 ("candidate source", L.candidate_source), ("candidate filter", L.candidate_filter)) if on]
+        roles.setdefault((attn, ", ".join(extra)), []).append(i)
+    kinds = [{"kind": k, "layers": ls, "attention": attn + (f"; {extra}" if extra else ""),
+              "rope": f"{cfg.rope_for(cfg.layers[ls[0]]).kind} interleaved (last {cfg.rope_dim})", "qk_norm": None,
+              "bias": False, "sinks": True, "block": f"mHC x{cfg.hc_mult}", "norm": "rms_fp32",
+              "mlp": f"moe {cfg.score_func} {cfg.num_experts} experts top-{cfg.top_k} I={cfg.moe_intermediate_size}"}
+             for k, ((attn, extra), ls) in enumerate(roles.items())]
+    return {"family": cfg.family, "path": str(path), "dtype": dtype, "vocab": cfg.vocab_size,
+            "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": 1, "head_dim": cfg.head_dim,
+            "layers": cfg.num_layers, "tied": cfg.tie_embeddings, "parameters": n, "bytes": n * width if width else None,
+            "scan": f"unrolled ({cfg.numerics} numerics)", "kinds": kinds}
+
+
+def _shape_leaves(tree):
+    for v in tree.values():
+        if isinstance(v, dict):
+            yield from _shape_leaves(v)
+        else:
+            yield tuple(v)
 
 
 def _inspect(args) -> int:

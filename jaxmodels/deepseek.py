@@ -301,7 +301,8 @@ def _attention(cfg, L: DSLayer, p, x, ctx, shared, cache):
 
 
 def _compressed(cfg, L, p, x, ctx, cache, new, spec):
-    """This layer's compressed KV entries ([B, N, d], N = T//r, or the whole cache in decode) + pre-RoPE latent."""
+    """This layer's compressed KV entries ([B, N, d], N = T//r; in decode the whole updated cache) and what its
+    indexer keys are made from: the pre-RoPE latent (in decode: (latent [B, 1, d], emitted [B], entry index [B]))."""
     cp, r, pos = p["compressor"], L.ratio, ctx["positions"]
     if ctx["mode"] == "decode":
         latent, entry, emit, j, buf = _compress_step(cfg, cp, x, pos[:, 0], cache["buf"], r, L.overlap, spec,

@@ -235,6 +235,11 @@ def test_convert_load_generate(v41, tmp_path):
     dst = converters.convert(path, tmp_path / "out", dtype="float32", progress=False)
     model = jm.load(dst)
     assert model.params["engram_map"].dtype == jnp.int32
+    from jaxmodels.cli import describe
+
+    info = describe(dst)  # `jaxmodels inspect`
+    assert (info["family"], info["layers"], info["kv_heads"]) == ("deepseek_v41", 6, 1)
+    assert sum(len(k["layers"]) for k in info["kinds"]) == 6
     prompt = list(np.random.default_rng(6).integers(3, cfg.vocab_size, 21))
     out = jm.generate(model, [prompt], max_new_tokens=12, ignore_eos=True)
     seq = np.array([prompt + out.tokens[0]])
