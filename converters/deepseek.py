@@ -213,7 +213,7 @@ def import_params(reader, cfg: DeepseekConfig, dtype: str = "float32", progress:
                     slot[k][expert] = v
             continue
         v = _value(reader, name, scale, t, cfg)
-        v = v.astype(np.int32 if t == "int" else (np.float32 if "/hc_" in path or path.startswith("hc_") else target))
+        v = v.astype(np.int32 if t == "int" else (np.float32 if keeps_fp32(path) else target))
         if expert is None:
             out[path] = v
         else:
@@ -233,6 +233,13 @@ def import_params(reader, cfg: DeepseekConfig, dtype: str = "float32", progress:
             node = node.setdefault(part, {})
         node[leaf] = v
     return tree
+
+
+def keeps_fp32(path: str) -> bool:
+    """Parameters the checkpoint and the reference keep in fp32 whatever the model dtype (spec §10): mHC
+    mixes, attention sinks, the selection-only router bias (bf16 would flip near-tied picks), compressor `ape`."""
+    leaf = path.rsplit("/", 1)[-1]
+    return "/hc_" in path or path.startswith("hc_") or leaf in ("sink", "ape") or path.endswith("ffn/bias")
 
 
 def _raw(a) -> np.ndarray:

@@ -115,7 +115,7 @@ def import_mtp(reader, cfg: DeepseekConfig, dtype: str = "float32", keep_quantiz
                     slot[k][expert] = v
             continue
         v = dsc._value(reader, name, scale, t, cfg)
-        v = v.astype(np.float32 if "/hc_" in path else target)  # mHC parameters stay fp32, as in the backbone
+        v = v.astype(np.float32 if dsc.keeps_fp32(path) else target)  # as in the backbone
         if expert is None:
             out[path] = v
         else:

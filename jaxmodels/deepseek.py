@@ -15,8 +15,9 @@ Params (weights [in, out], like the rest of jaxmodels):
 
 Numerics: `plain` computes in the parameters' dtype; `reference` adds the reference's simulated quantisation
 (FP8 activations per block before FP8 linears, FP8 window KV, FP4 compressed KV and indexer q/k; FP8 linears
-accumulate in fp32 over the dequantised weight). With bf16 params that is the reference's own arithmetic
-(bf16 stream and activations); with fp32 params it isolates the quantisation steps.
+accumulate in fp32 over the dequantised weight). With bf16 params that approximates the reference's own
+arithmetic (bf16 stream and activations; the index scores stay fp32 where the reference uses bf16 einsums);
+with fp32 params it isolates the quantisation steps (what the tests check against the float64 oracle).
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ from jaxmodels.layers import mhc, mla, mlp, moe, qdq, rope
 from jaxmodels.layers.norms import norm as _norm
 
 F32 = jnp.float32
-INT_PARAMS = ("tid2eid", "engram_map")
 
 
 # ----------------------------------------------------------------------------------------------- params
@@ -76,10 +76,6 @@ def param_shapes(cfg: DeepseekConfig) -> dict:
     if cfg.engram_layer_ids:
         out["engram_map"] = (V,)
     return out
-
-
-def _is_int(path: str) -> bool:
-    return path.rsplit("/", 1)[-1] in INT_PARAMS
 
 
 def init_params(cfg: DeepseekConfig, seed: int = 0, dtype=F32, std: float = 0.02, fp4_experts: bool = False) -> dict:
@@ -230,10 +226,10 @@ def _compress_step(cfg, cp, x, pos, buf, ratio, overlap, spec, qdq_fn):
 
 
 def _write_rows(cache, rows, at, when):
-    """cache [B, N, c]; rows [B, 1, c] written at index at [B] where `when` [B]."""
+    """cache [B, N, c]; rows [B, 1, c] written at index at [B] where `when` [B] (else out of range: dropped;
+    N may be 0 when the cache is shorter than the ratio)."""
     b = jnp.arange(cache.shape[0])
-    old = cache[b, jnp.clip(at, 0, cache.shape[1] - 1)]
-    return cache.at[b, at].set(jnp.where(when[:, None], rows[:, 0], old), mode="drop")
+    return cache.at[b, jnp.where(when, at, cache.shape[1])].set(rows[:, 0].astype(cache.dtype), mode="drop")
 
 
 def _ring_fill(values, lengths, slots):
@@ -386,7 +382,7 @@ def _route(cfg, L, p, xt, tokens):
     else:  # the bias only picks the experts; the weights are the unbiased scores
         idx = jax.lax.top_k(s + p["bias"].astype(F32), cfg.top_k)[1]
     w = jnp.take_along_axis(s, idx, axis=-1)
-    if cfg.norm_topk_prob and cfg.top_k > 1:
+    if cfg.norm_topk_prob and (cfg.top_k > 1 or not cfg.v41):  # V4 (HF) renormalises whatever k is
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return w * cfg.route_scale, idx
 
@@ -447,14 +443,14 @@ def _dtype(cfg, params):
     return params["embed"].dtype
 
 
-def _engram_columns(cfg, params, tokens, positions, hist):
+def _engram_columns(cfg, params, tokens, hist):
     """Hash columns [B, T, n_engram_layers, cols] of every position; `hist` [B, n-1] holds the compressed ids of
     the positions just before `tokens` (-1 = before the sequence start)."""
     from jaxmodels.layers import engram
 
     ids = params["engram_map"][tokens]
     n = cfg.engram_max_ngram
-    seq = jnp.concatenate([hist, ids], axis=1)  # position p sits at column p - positions[:, 0] + n - 1
+    seq = jnp.concatenate([hist, ids], axis=1)  # the token at offset t of `tokens` sits at column t + n - 1
     window = jnp.stack([seq[:, n - 1 - s: n - 1 - s + tokens.shape[1]] for s in range(n)], axis=-1)
     pad = params["engram_map"][cfg.engram_pad_token]
     return engram.hash_window(window, pad, _layout(cfg))
@@ -482,7 +478,7 @@ def _stream(params, cfg: DeepseekConfig, tokens, positions, mode, cache=None, le
     new_cache = {"layers": {}}
     if cfg.engram_layer_ids:
         hist = cache["engram"] if mode == "decode" else jnp.full((B, cfg.engram_max_ngram - 1), -1, jnp.int32)
-        cols = _engram_columns(cfg, params, tokens, positions, hist)
+        cols = _engram_columns(cfg, params, tokens, hist)
         ids = params["engram_map"][tokens]
         if mode == "decode":
             new_cache["engram"] = jnp.concatenate([hist, ids], axis=1)[:, 1:]
@@ -532,7 +528,10 @@ def _head(cfg, params, x):
 
 
 def forward(params, cfg: DeepseekConfig, tokens, positions=None):
-    """tokens [B, T] from position 0 -> float32 logits [B, T, vocab] (no cache)."""
+    """tokens [B, T] from position 0 -> float32 logits [B, T, vocab] (no cache). Compressor groups count from
+    the sequence start, so other positions are refused (use prefill + decode_step to continue a sequence)."""
+    if positions is not None:
+        raise ValueError("DeepSeek V4's forward runs from position 0; continue a sequence with prefill/decode_step")
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x, _ = _stream(params, cfg, tokens, positions, "full")
     return _head(cfg, params, x)
@@ -593,6 +592,7 @@ def prefill(params, cfg: DeepseekConfig, tokens, lengths, cache):
 
 
 def decode_step(params, cfg: DeepseekConfig, tokens, positions, cache, unroll=1):
-    """tokens [B] at positions [B] -> (logits [B, vocab], cache)."""
+    """tokens [B] at positions [B] -> (logits [B, vocab], cache). `unroll` is accepted for the common
+    signature and ignored: the layers already run unrolled."""
     x, new = _stream(params, cfg, tokens[:, None], positions[:, None], "decode", cache)
     return _head(cfg, params, x)[:, 0], _merge(cache, new)

@@ -97,6 +97,11 @@ class DeepseekConfig:
             raise ValueError(f"rope_dim={self.rope_dim} must be even and <= head_dim={self.head_dim}")
         if (self.num_heads * self.head_dim) % self.o_groups:
             raise ValueError(f"heads*head_dim is not divisible by o_groups={self.o_groups}")
+        if any(L.candidate_filter for L in self.layers) and (
+                self.candidate_topk_blocks * self.candidate_block_size - (self.candidate_block_size - 1)
+                < self.index_topk):
+            # below this, the reference may attend visible entries outside the candidates; we keep top-k inside
+            raise ValueError("candidate_topk_blocks * candidate_block_size - (block - 1) must be >= index_topk")
 
     @property
     def num_layers(self) -> int:
@@ -176,12 +181,10 @@ def config(hf: dict) -> DeepseekConfig:
         kv_src = set(t.get("kv_source_layer_ids") or ())
         idx_src = set(t.get("index_source_layer_ids") or ())
         cand = int(t.get("candidate_source_layer_id", -1))
-        seen_keys = False
         for i, r in enumerate(ratios):
             if r and not kv_src & set(range(i + 1)):
                 raise ValueError(f"layer {i} has compress ratio {r} but no kv source at or before it")
             own = i in kv_src
-            seen_keys |= own
             indexer = i in idx_src
             layers.append(DSLayer(
                 ratio=r, compress=own,
@@ -191,10 +194,12 @@ def config(hf: dict) -> DeepseekConfig:
                 engram=engram_ids.index(i) if i in engram_ids else -1))
     else:
         n_hash = _hash_layers(t, n)
-        for i, r in enumerate(_ratios_v4(t, n)):
-            layers.append(DSLayer(ratio=r, compress=r > 0,
-                                  select="none" if not r else ("indexer" if r == 4 else "all"),
-                                  index_keys="compressor" if r == 4 else "none", hash_moe=i < n_hash))
+        types = t.get("layer_types") or [None] * n
+        for i, (r, kind) in enumerate(zip(_ratios_v4(t, n), types)):
+            # CSA (overlapped compressor + indexer) by its layer type when named, else by the reference's ratio 4
+            csa = kind == "compressed_sparse_attention" if kind else r == 4
+            layers.append(DSLayer(ratio=r, compress=r > 0, select="none" if not r else ("indexer" if csa else "all"),
+                                  index_keys="compressor" if csa else "none", hash_moe=i < n_hash))
     q = hf.get("quantization_config") or t.get("quantization_config") or {}
     block = (q.get("weight_block_size") or [128 if family == V4 else 32])[0]
     eos = t.get("eos_token_id", hf.get("eos_token_id", 1))
