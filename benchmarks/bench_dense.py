@@ -22,6 +22,7 @@ with its own time limit, and writes <out>/stage_<name>.json; the driver merges t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
