@@ -190,15 +190,17 @@ def import_params(reader, cfg: DeepseekConfig, dtype: str = "float32", progress:
     """Host params, each tensor read (memory-mapped), dequantised and placed once.
 
     keep_quantized: FP8 linears and FP4 experts stay as their bytes ({"fp8"|"fp4": uint8, "scale": E8M0 uint8},
-    checkpoint [out, in] layout) and are expanded inside the matmul (jaxmodels.deepseek.dequant); Engram's wkv
-    stays FP8 as `wkv` + `wkv_scale` (layers/engram.py); wo_a and the Engram tables are dequantised as always.
+    checkpoint [out, in] layout) and are expanded inside the matmul (jaxmodels.deepseek.dequant); Engram's wkv and
+    tables stay FP8 as `wkv` + `wkv_scale`, `table` + `table_scale` (layers/engram.py); wo_a is dequantised.
     """
     target = np_dtype(dtype)
     shapes = _flat(deepseek.param_shapes(cfg))
     out: dict = {}
     for name, scale, path, expert, t in tqdm(plan(reader, cfg), desc="import", unit="tensor", disable=not progress,
                                               leave=False):
-        if keep_quantized and scale is not None and path.endswith("engram/wkv"):  # engram_inject's own layout
+        if keep_quantized and scale is not None and path.endswith(("engram/wkv", "engram/table")):
+            # engram_inject's own layout: FP8 bytes + E8M0 bytes beside them; the table rows are expanded after the
+            # gather, so the 384M-row tables stay 1 byte per value
             out[path], out[path + "_scale"] = _raw(reader.get(name)), _raw(reader.get(scale))
             continue
         if keep_quantized and scale is not None and t == "T":

@@ -307,6 +307,7 @@ def test_keep_quantized_equals_dequantised(v41, tmp_path):
     experts = model.params["layers"]["3"]["ffn"]["w_down"]
     assert set(wq) == {"fp8", "scale"} and wq["fp8"].dtype == jnp.uint8
     assert set(experts) == {"fp4", "scale"} and experts["fp4"].shape[-1] * 2 == cfg.moe_intermediate_size
+    assert model.params["layers"]["1"]["engram"]["table"].dtype == jnp.uint8  # FP8 rows, expanded after the gather
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 40))
     ref = np.asarray(_jit_forward(cfg)(params, jnp.asarray(ids, jnp.int32)))
     out = np.asarray(_jit_forward(cfg)(model.params, jnp.asarray(ids, jnp.int32)))
