@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from converters import deepseek_quant as dq
-from converters.hf import np_dtype
+from converters.hf import np_dtype, unflatten
 from converters.safetensors_io import CheckpointError
 from jaxmodels import deepseek
 from jaxmodels.families.deepseek_v4 import DeepseekConfig
@@ -83,43 +83,53 @@ def _match(name: str):
 
 def plan(reader, cfg: DeepseekConfig) -> list[tuple[str, str | None, str, int | None, str]]:
     """[(weight name, scale name or None, param path, expert or None, transform)]; checks names and shapes."""
-    shapes = _flat(deepseek.param_shapes(cfg))
     names = {canonical(k): k for k in reader.keys()}
+    out, skipped = plan_tensors(reader, cfg, names, _flat(deepseek.param_shapes(cfg)), _match,
+                                lambda c: any(rx.match(c) for rx in SKIP_RX), ignore=("engram_map",))
+    if skipped:
+        log.info("left out %d checkpoint tensors a text-only %s does not use (vision, bias_vl, MTP)", skipped,
+                 cfg.family)
+    return out
+
+
+def plan_tensors(reader, cfg: DeepseekConfig, names: dict, shapes: dict, match, skip, what: str = "",
+                 expert_hint: str = "", missing_hint: str = "", ignore=()) -> tuple[list, int]:
+    """The checks every DeepSeek importer runs before reading data (backbone here, MTP in deepseek_mtp.py).
+
+    names: canonical -> checkpoint name; shapes: flat param path -> shape; match(canonical) -> (path, expert,
+    transform) or None; skip(canonical): left out on purpose. Returns (placements as `plan`, number skipped);
+    raises CheckpointError for unexpected, misshaped, duplicated or missing tensors (`what` names the kind)."""
     out, filled, skipped = [], set(), 0
     for canon, raw in names.items():
         if canon.endswith(".scale") and canon[: -len(".scale")] + ".weight" in names:
             continue  # consumed with its weight
-        m = _match(canon)
+        if skip(canon):
+            skipped += 1
+            continue
+        m = match(canon)
         if m is None:
-            if any(rx.match(canon) for rx in SKIP_RX):
-                skipped += 1
-                continue
-            raise CheckpointError(f"unexpected tensor {raw!r}: no parameter of a {cfg.family} model takes it")
+            raise CheckpointError(f"unexpected tensor {raw!r}: no {what}parameter of a {cfg.family} model takes it")
         path, expert, t = m
         if path not in shapes:
-            raise CheckpointError(f"unexpected tensor {raw!r}: this {cfg.family} config has no parameter {path}")
+            raise CheckpointError(f"unexpected tensor {raw!r}: this {cfg.family} config has no {what}parameter {path}")
         want = shapes[path][1:] if expert is not None else shapes[path]
         if expert is not None and expert >= shapes[path][0]:
-            raise CheckpointError(f"unexpected tensor {raw!r}: expert {expert} of {shapes[path][0]}")
+            raise CheckpointError(f"unexpected tensor {raw!r}: expert {expert} of {shapes[path][0]}{expert_hint}")
         scale = names.get(canon[: -len(".weight")] + ".scale") if canon.endswith(".weight") else None
         got = _logical_shape(reader, raw, scale)
         expect = _source_shape(t, want, cfg)
         if got != expect:
             raise CheckpointError(f"tensor {raw!r} has shape {got}, expected {expect}")
-        key = (path, expert)
-        if key in filled:
+        if (path, expert) in filled:
             raise CheckpointError(f"tensor {raw!r} maps to {path} which was already filled")
-        filled.add(key)
+        filled.add((path, expert))
         out.append((raw, scale, path, expert, t))
-    missing = [p for p, s in shapes.items() if p != "engram_map"
+    missing = [p for p, s in shapes.items() if p not in ignore
                and not ((p, None) in filled or (p.endswith(("w_gate", "w_up", "w_down")) and "/shared/" not in p
                                                  and all((p, e) in filled for e in range(s[0]))))]
     if missing:
-        raise CheckpointError(f"missing {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
-    if skipped:
-        log.info("left out %d checkpoint tensors a text-only %s does not use (vision, bias_vl, MTP)", skipped,
-                 cfg.family)
-    return out
+        raise CheckpointError(f"missing {len(missing)} {what}tensors, e.g. {', '.join(missing[:3])}{missing_hint}")
+    return out, skipped
 
 
 def _flat(tree, prefix=""):
@@ -193,11 +203,21 @@ def import_params(reader, cfg: DeepseekConfig, dtype: str = "float32", progress:
     checkpoint [out, in] layout) and are expanded inside the matmul (jaxmodels.deepseek.dequant); Engram's wkv and
     tables stay FP8 as `wkv` + `wkv_scale`, `table` + `table_scale` (layers/engram.py); wo_a is dequantised.
     """
+    placements = tqdm(plan(reader, cfg), desc="import", unit="tensor", disable=not progress, leave=False)
+    out = load_tensors(reader, cfg, placements, _flat(deepseek.param_shapes(cfg)), dtype, keep_quantized)
+    if cfg.engram_layer_ids:
+        if token_map is None:
+            raise CheckpointError("this model uses Engram, which needs the tokenizer (tokenizer.json) to build its "
+                                  "compressed-vocabulary map; none was found")
+        out["engram_map"] = np.asarray(token_map, np.int32)
+    return unflatten(out)  # a kept-quantized param is itself a small dict under its path
+
+
+def load_tensors(reader, cfg: DeepseekConfig, placements, shapes: dict, dtype: str, keep_quantized: bool) -> dict:
+    """Read, dequantise (or keep as bytes) and stack the planned tensors: {param path: value} (see import_params)."""
     target = np_dtype(dtype)
-    shapes = _flat(deepseek.param_shapes(cfg))
     out: dict = {}
-    for name, scale, path, expert, t in tqdm(plan(reader, cfg), desc="import", unit="tensor", disable=not progress,
-                                              leave=False):
+    for name, scale, path, expert, t in placements:
         if keep_quantized and scale is not None and path.endswith(("engram/wkv", "engram/table")):
             # engram_inject's own layout: FP8 bytes + E8M0 bytes beside them; the table rows are expanded after the
             # gather, so the 384M-row tables stay 1 byte per value
@@ -222,19 +242,7 @@ def import_params(reader, cfg: DeepseekConfig, dtype: str = "float32", progress:
             if path not in out:
                 out[path] = np.zeros(shapes[path], target)
             out[path][expert] = v
-    if cfg.engram_layer_ids:
-        if token_map is None:
-            raise CheckpointError("this model uses Engram, which needs the tokenizer (tokenizer.json) to build its "
-                                  "compressed-vocabulary map; none was found")
-        out["engram_map"] = np.asarray(token_map, np.int32)
-    tree = {}
-    for path, v in out.items():  # paths name params; a kept-quantized param is itself a small dict
-        *parents, leaf = path.split("/")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = v
-    return tree
+    return out
 
 
 def keeps_fp32(path: str) -> bool:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import re
 
-import numpy as np
 
 from converters import deepseek as dsc
-from converters.hf import np_dtype, unflatten
+from converters.hf import unflatten
 from converters.safetensors_io import CheckpointError
 from jaxmodels import deepseek_mtp
 from jaxmodels.families.deepseek_v4 import DeepseekConfig
@@ -58,38 +57,10 @@ def mtp_plan(reader, cfg: DeepseekConfig) -> list[tuple[str, str | None, str, in
         raise CheckpointError(f"the checkpoint has {len(names)} mtp.* tensors (e.g. {next(iter(names.values()))!r}) "
                               f"but this {cfg.family} config has no MTP layers"
                               + (" (DSpark needs dspark_block_size > 0)" if cfg.v41 and cfg.mtp_layers else ""))
-    out, filled, skipped = [], set(), 0
-    for canon, raw in names.items():
-        if canon.endswith(".scale") and canon[: -len(".scale")] + ".weight" in names:
-            continue  # consumed with its weight
-        if SHARED.match(canon) or SKIP.match(canon):
-            skipped += 1
-            continue
-        mt = _match(canon)
-        if mt is None:
-            raise CheckpointError(f"unexpected tensor {raw!r}: no MTP parameter of a {cfg.family} model takes it")
-        path, expert, t = mt
-        if path not in shapes:
-            raise CheckpointError(f"unexpected tensor {raw!r}: this {cfg.family} config has no MTP parameter {path}")
-        want = shapes[path][1:] if expert is not None else shapes[path]
-        if expert is not None and expert >= shapes[path][0]:
-            raise CheckpointError(f"unexpected tensor {raw!r}: expert {expert} of {shapes[path][0]} "
-                                  "(the MTP blocks' count is dspark_n_routed_experts, else n_routed_experts)")
-        scale = names.get(canon[: -len(".weight")] + ".scale") if canon.endswith(".weight") else None
-        got = dsc._logical_shape(reader, raw, scale)
-        expect = dsc._source_shape(t, want, cfg)
-        if got != expect:
-            raise CheckpointError(f"tensor {raw!r} has shape {got}, expected {expect}")
-        if (path, expert) in filled:
-            raise CheckpointError(f"tensor {raw!r} maps to {path} which was already filled")
-        filled.add((path, expert))
-        out.append((raw, scale, path, expert, t))
-    missing = [p for p, s in shapes.items()
-               if not ((p, None) in filled or (p.endswith(("w_gate", "w_up", "w_down")) and "/shared/" not in p
-                                               and all((p, e) in filled for e in range(s[0]))))]
-    if missing:
-        raise CheckpointError(f"missing {len(missing)} MTP tensors, e.g. {', '.join(missing[:3])} "
-                              "(load without MTP to skip them)")
+    out, skipped = dsc.plan_tensors(
+        reader, cfg, names, shapes, _match, lambda c: bool(SHARED.match(c) or SKIP.match(c)), what="MTP ",
+        expert_hint=" (the MTP blocks' count is dspark_n_routed_experts, else n_routed_experts)",
+        missing_hint=" (load without MTP to skip them)")
     if skipped:
         log.info("left out %d mtp.* tensors shared with the backbone (embed, head) or unused (bias_vl)", skipped)
     return out
@@ -100,26 +71,5 @@ def import_mtp(reader, cfg: DeepseekConfig, dtype: str = "float32", keep_quantiz
 
     keep_quantized: FP8 linears and FP4 experts stay as their bytes, in the layout converters/deepseek.py's
     import_params uses ({"fp8"|"fp4": uint8, "scale": E8M0 uint8}, [out, in]), expanded inside the matmul."""
-    target = np_dtype(dtype)
     shapes = dsc._flat(deepseek_mtp.mtp_param_shapes(cfg))
-    out: dict = {}
-    for name, scale, path, expert, t in mtp_plan(reader, cfg):
-        if keep_quantized and scale is not None and t == "T":
-            q = {"fp4" if dsc._is_packed(reader, name, scale) else "fp8": dsc._raw(reader.get(name)),
-                 "scale": dsc._raw(reader.get(scale))}
-            if expert is None:
-                out[path] = q
-            else:
-                slot = out.setdefault(path, {k: np.zeros((shapes[path][0], *v.shape), np.uint8) for k, v in q.items()})
-                for k, v in q.items():
-                    slot[k][expert] = v
-            continue
-        v = dsc._value(reader, name, scale, t, cfg)
-        v = v.astype(np.float32 if dsc.keeps_fp32(path) else target)  # as in the backbone
-        if expert is None:
-            out[path] = v
-        else:
-            if path not in out:
-                out[path] = np.zeros(shapes[path], target)
-            out[path][expert] = v
-    return unflatten(out)
+    return unflatten(dsc.load_tensors(reader, cfg, mtp_plan(reader, cfg), shapes, dtype, keep_quantized))
