@@ -5,14 +5,11 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
-
 from converters.hf import import_params, import_sharded
 from converters.quant import MXFP4Reader
 from converters.safetensors_io import CheckpointError, SafetensorsReader, TorchReader
 from jaxmodels import families
 from jaxmodels.config import ModelConfig
-from jaxmodels.families.deepseek_v4 import DeepseekConfig
 from jaxmodels.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -21,7 +18,7 @@ __all__ = ["convert", "read_source", "read_source_sharded", "open_source", "Chec
 
 
 def open_source(src: str | Path):
-    """(config, reader, name map, skip patterns, tokenizer or None) of a checkpoint; reads no tensor data."""
+    """(config, reader, family, tokenizer or None) of a checkpoint; reads no tensor data."""
     src = Path(src)
     if not src.exists():
         raise FileNotFoundError(f"checkpoint {src} does not exist")
@@ -37,9 +34,12 @@ def open_source(src: str | Path):
         hf = json.loads((root / "config.json").read_text())
         has_st = any(root.glob("*.safetensors")) or (root / "model.safetensors.index.json").exists()
         reader, tok = MXFP4Reader(SafetensorsReader(root) if has_st else TorchReader(src)), Tokenizer.from_dir(root)
-    cfg = families.config_from_hf(hf)
-    fam = families.get(families.model_type(hf))
-    return cfg, reader, families.name_map(fam, cfg), fam.skip, tok
+    return families.config_from_hf(hf), reader, families.get(families.model_type(hf)), tok
+
+
+def _plan_kw(fam, cfg) -> dict:
+    kw = {"derived": fam.derived}
+    return kw if fam.renames is None else kw | {"renames": fam.renames}
 
 
 def read_source(src: str | Path, dtype: str = "float32", progress: bool = True, keep_quantized: bool = False,
@@ -50,44 +50,34 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool = True, 
     the MTP / DSpark weights (`mtp.*`) are loaded under params["mtp"] when the checkpoint has them, unless
     skip_mtp.
     """
-    cfg, reader, names, skip, tok = open_source(src)
-    if isinstance(cfg, DeepseekConfig):
-        from converters import deepseek, deepseek_mtp
-
-        token_map = _engram_map(tok, cfg) if cfg.engram_layer_ids and tok is not None else None
-        params = deepseek.import_params(reader, cfg, dtype, progress, token_map, keep_quantized)
-        if any(deepseek.canonical(k).startswith("mtp.") for k in reader.keys()):
-            if skip_mtp:
-                log.info("left out the MTP / DSpark weights (skip_mtp)")
-            else:
-                params |= deepseek_mtp.import_mtp(reader, cfg, dtype, keep_quantized)
-        return cfg, params, tok
-    if keep_quantized:
+    cfg, reader, fam, tok = open_source(src)
+    if keep_quantized and not fam.quantized:
         raise ValueError(f"keep_quantized applies to DeepSeek V4's FP8/FP4 checkpoints, not to {cfg.family}")
-    return cfg, import_params(reader, cfg, names, dtype, progress, skip=skip), tok
+    if not fam.quantized:
+        return cfg, import_params(reader, cfg, families.name_map(fam, cfg), dtype, progress, fam.skip,
+                                  **_plan_kw(fam, cfg)), tok
+    from converters import deepseek
 
-
-def _engram_map(tok, cfg):
-    """Engram's token id -> normalised-class map, built from the checkpoint's own tokenizer (spec §7.1)."""
-    from jaxmodels.layers import engram
-
-    token_map, classes = engram.build_compressed_token_map(tok.tok)
-    if cfg.engram_compressed_vocab and classes != cfg.engram_compressed_vocab:
-        raise CheckpointError(f"the tokenizer normalises to {classes} classes, the config's "
-                              f"engram_compressed_vocab_size is {cfg.engram_compressed_vocab}")
-    if len(token_map) < cfg.vocab_size:  # ids past the tokenizer (padding rows of the embedding) hash as pad
-        token_map = np.concatenate([token_map, np.full(cfg.vocab_size - len(token_map), token_map[2], np.int32)])
-    return token_map
+    token_map = deepseek.engram_map(tok, cfg) if cfg.engram is not None and tok is not None else None
+    params = deepseek.import_backbone(reader, cfg, dtype, progress, token_map, keep_quantized)
+    if deepseek.has_mtp_tensors(reader):
+        if skip_mtp:
+            log.info("left out the MTP / DSpark weights (skip_mtp)")
+        else:
+            params |= deepseek.import_mtp(reader, cfg, dtype, keep_quantized)
+    return cfg, params, tok
 
 
 def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32"):
     """Import a checkpoint straight onto a mesh; each device reads only its slices where possible."""
     from jaxmodels import sharding
 
-    cfg, reader, names, skip, tok = open_source(src)
-    if isinstance(cfg, DeepseekConfig):
-        raise NotImplementedError("DeepSeek V4 has no sharding rules yet: load it without a mesh")
-    params = import_sharded(reader, cfg, names, sharding.shardings(cfg, mesh, rules), dtype, skip=skip)
+    cfg, reader, fam, tok = open_source(src)
+    if fam.quantized:
+        raise NotImplementedError(f"{cfg.family}: importing onto a mesh is not supported yet; load it without "
+                                  f"a mesh")
+    params = import_sharded(reader, cfg, families.name_map(fam, cfg), sharding.shardings(cfg, mesh, rules), dtype,
+                            fam.skip, **_plan_kw(fam, cfg))
     return cfg, params, tok
 
 

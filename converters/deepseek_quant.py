@@ -27,12 +27,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxmodels.layers import qdq
+
 E4M3 = ml_dtypes.float8_e4m3fn
 E8M0 = ml_dtypes.float8_e8m0fnu
 FP8_MAX = 448.0
 FP4_MAX = 6.0
-# e2m1 code -> value (bit 3 = sign); same table as converters/quant.py FP4_VALUES and CONV41 FP4_TABLE
-FP4_TABLE = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+FP4_TABLE = qdq.FP4_TABLE  # e2m1 code -> value (bit 3 = sign), CONV41's FP4_TABLE
 
 
 def _is_torch(a) -> bool:
@@ -84,21 +85,7 @@ def packed_fp4_bytes(w, name: str = "weight") -> np.ndarray:
 
 def e8m0_to_float(scale, name: str = "scale") -> np.ndarray:
     """2^(byte - 127) as float32 (byte 0 = 2^-127, a float32 subnormal; byte 255 = NaN)."""
-    b = e8m0_bytes(scale, name)
-    v = np.ldexp(np.float32(1.0), b.astype(np.int32) - 127).astype(np.float32)
-    return np.where(b == 255, np.float32(np.nan), v)
-
-
-def _blocks(block) -> tuple[int, int]:
-    bo, bi = (block, block) if isinstance(block, (int, np.integer)) else tuple(block)
-    if bo <= 0 or bi <= 0:
-        raise ValueError(f"block sizes must be positive, got {block}")
-    return int(bo), int(bi)
-
-
-def _expand_grid(s: np.ndarray, bo: int, bi: int, o: int, i: int) -> np.ndarray:
-    """Per-block scale grid [..., ceil(O/bo), ceil(I/bi)] -> per-element [..., O, I]."""
-    return np.repeat(np.repeat(s, bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
+    return qdq.e8m0_to_f32(e8m0_bytes(scale, name))
 
 
 def dequant_fp8_blocks(w_e4m3, scale_e8m0, block=32, name: str = "weight") -> np.ndarray:
@@ -106,61 +93,29 @@ def dequant_fp8_blocks(w_e4m3, scale_e8m0, block=32, name: str = "weight") -> np
 
     `block` is an int (square blocks) or (Bo, Bi): 32 for V4.1, 128 for V4.
     """
-    w = e4m3_array(w_e4m3, name)
-    bo, bi = _blocks(block)
-    if w.ndim < 2:
-        raise ValueError(f"{name}: FP8 weight must be at least 2-D [O, I], got shape {w.shape}")
-    b = e8m0_bytes(scale_e8m0, name + ".scale")
-    *lead, o, i = w.shape
-    want = (*lead, -(-o // bo), -(-i // bi))
-    if b.shape != want:
-        raise ValueError(f"{name}: scale shape {b.shape} does not match weight {w.shape} with {bo}x{bi} blocks "
-                         f"(expected {want})")
-    return w.astype(np.float32) * _expand_grid(e8m0_to_float(b), bo, bi, o, i)
+    return qdq.dequant_fp8(e4m3_array(w_e4m3, name), e8m0_bytes(scale_e8m0, name + ".scale"), block, np.float32, name)
 
 
 def dequant_fp4_experts(packed, scale_e8m0, block: int = 32, name: str = "weight") -> np.ndarray:
     """MXFP4 [..., O, I/2] (low nibble = element 2k) + E8M0 [..., O, I/32] -> float32 [..., O, I]."""
-    p = packed_fp4_bytes(packed, name)
-    b = e8m0_bytes(scale_e8m0, name + ".scale")
-    if p.ndim < 2:
-        raise ValueError(f"{name}: packed FP4 weight must be at least 2-D [O, I/2], got shape {p.shape}")
-    *lead, o, half = p.shape
-    i = 2 * half
-    if i % block:
-        raise ValueError(f"{name}: FP4 row length {i} is not a multiple of the scale block {block}")
-    if b.shape != (*lead, o, i // block):
-        raise ValueError(f"{name}: scale shape {b.shape} does not match packed weight {p.shape} "
-                         f"(expected {(*lead, o, i // block)}: one scale per {block} of {i} values)")
-    codes = np.stack([p & 0x0F, p >> 4], axis=-1).reshape(*lead, o, i)
-    return FP4_TABLE[codes] * np.repeat(e8m0_to_float(b), block, axis=-1)
+    return qdq.dequant_fp4(packed_fp4_bytes(packed, name), e8m0_bytes(scale_e8m0, name + ".scale"), block,
+                           np.float32, name)
 
 
 def dequant_fp8_rows(table_e4m3, scale_e8m0, block: int = 32, name: str = "engram.embed") -> np.ndarray:
     """Engram table: FP8 [R, C] + E8M0 [R, C/32] (per row, per 32 channels) -> float32 [R, C]."""
     w = e4m3_array(table_e4m3, name)
-    b = e8m0_bytes(scale_e8m0, name + ".scale")
     if w.ndim != 2 or w.shape[1] % block:
         raise ValueError(f"{name}: table must be [R, C] with C a multiple of {block}, got {w.shape}")
-    if b.shape != (w.shape[0], w.shape[1] // block):
-        raise ValueError(f"{name}: scale shape {b.shape} does not match table {w.shape} "
-                         f"(expected {(w.shape[0], w.shape[1] // block)})")
-    return w.astype(np.float32) * np.repeat(e8m0_to_float(b), block, axis=-1)
+    return dequant_fp8_blocks(w, scale_e8m0, (1, block), name)
 
 
 def dequant_wo_a(w_e4m3, scale_e8m0, block: int = 32, name: str = "attn.wo_a") -> np.ndarray:
     """`wo_a` as CONV41 writes it: bf16(W.reshape(O/B, B, I/B, B).f32 * S[:, None, :, None]) -> bfloat16 [O, I]."""
     w = e4m3_array(w_e4m3, name)
-    b = e8m0_bytes(scale_e8m0, name + ".scale")
     if w.ndim != 2 or w.shape[0] % block or w.shape[1] % block:
         raise ValueError(f"{name}: wo_a must be [O, I] with both multiples of {block}, got {w.shape}")
-    o, i = w.shape
-    if b.shape != (o // block, i // block):
-        raise ValueError(f"{name}: scale shape {b.shape} does not match {w.shape} "
-                         f"(expected {(o // block, i // block)})")
-    s = e8m0_to_float(b)
-    y = w.astype(np.float32).reshape(o // block, block, i // block, block) * s[:, None, :, None]
-    return y.reshape(o, i).astype(ml_dtypes.bfloat16)
+    return dequant_fp8_blocks(w, scale_e8m0, block, name).astype(ml_dtypes.bfloat16)
 
 
 # ---- encoders (tests, writing DeepSeek-layout checkpoints) ----
@@ -174,15 +129,7 @@ def _pow2_exponent(amax: np.ndarray, qmax: float) -> np.ndarray:
     return np.clip(e, -127, 127)
 
 
-def e2m1_codes(v) -> np.ndarray:
-    """float values already in [-6, 6] (in units of the scale) -> 4-bit e2m1 codes, round-to-nearest-even."""
-    v = np.asarray(v, np.float32)
-    grid = FP4_TABLE[:8]
-    mag = np.abs(v)[..., None]
-    mids = (grid[1:] + grid[:-1]) / 2  # 0.25 .. 5: exact in float32
-    tie_up = np.array([False, True, False, True, False, True, False])  # ties go to the even code
-    code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
-    return (code.astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 3)).astype(np.uint8)
+e2m1_codes = qdq.e2m1_codes  # float values in [-6, 6] -> 4-bit codes, round-to-nearest-even (NumPy in, NumPy out)
 
 
 def quantize_fp8_blocks(w, block=32) -> tuple[np.ndarray, np.ndarray]:
@@ -193,7 +140,7 @@ def quantize_fp8_blocks(w, block=32) -> tuple[np.ndarray, np.ndarray]:
     rounding of w.
     """
     w = np.asarray(w, np.float32)
-    bo, bi = _blocks(block)
+    bo, bi = (block, block) if isinstance(block, (int, np.integer)) else tuple(block)
     *lead, o, i = w.shape
     go, gi = -(-o // bo), -(-i // bi)
     pad = np.zeros((*lead, go * bo, gi * bi), np.float32)
@@ -201,7 +148,8 @@ def quantize_fp8_blocks(w, block=32) -> tuple[np.ndarray, np.ndarray]:
     amax = np.abs(pad.reshape(*lead, go, bo, gi, bi)).max(axis=(-3, -1))
     e = np.where(amax > 0, _pow2_exponent(np.where(amax > 0, amax, 1), FP8_MAX), 0)
     s = np.ldexp(np.float32(1), e.astype(np.int32)).astype(np.float32)
-    q = np.clip(w / _expand_grid(s, bo, bi, o, i), -FP8_MAX, FP8_MAX).astype(E4M3)
+    grid = np.repeat(np.repeat(s, bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
+    q = np.clip(w / grid, -FP8_MAX, FP8_MAX).astype(E4M3)
     return q, (e + 127).astype(np.uint8)
 
 

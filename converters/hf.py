@@ -1,4 +1,6 @@
-"""Import a checkpoint into the parameter tree of a `ModelConfig`, driven by the family's name map."""
+"""Import a checkpoint into the parameter tree of a `ModelConfig`, driven by the family's name map: one planner
+(every name and shape checked before any data is read, one set of errors) for every family and for DeepSeek's
+MTP blocks."""
 from __future__ import annotations
 
 import logging
@@ -11,9 +13,9 @@ from tqdm.auto import tqdm
 
 from converters.safetensors_io import CheckpointError
 from converters.transforms import TRANSFORMS
-from jaxmodels import model
 from jaxmodels.config import ModelConfig
 from jaxmodels.families import _common
+from jaxmodels.plan import flat_shapes, flatten, param_specs, plan, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -28,20 +30,26 @@ def np_dtype(name: str):
 
 
 # Multimodal and v5 wrappers put the text model under another prefix (specs/hf_families.md §5).
-PREFIXES = ((r"model\.language_model\.", "model."), (r"language_model\.model\.", "model."),
-            (r"language_model\.lm_head\.", "lm_head."))
+PREFIXES = ((r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
+            (r"^language_model\.lm_head\.", "lm_head."))
 
 
-def normalize(name: str) -> str:
-    for prefix, repl in PREFIXES:
-        if re.match(prefix, name):
-            return repl + name[re.match(prefix, name).end():]
+def normalize(name: str, renames=PREFIXES) -> str:
+    """A checkpoint name in the spelling the name map is written in: each (regex, replacement) applied in turn."""
+    for rx, repl in renames:
+        name = re.sub(rx, repl, name)
     return name
+
+
+class Quantized(dict):
+    """A weight kept as its bytes ({path suffix: uint8 array}, the checkpoint's [out, in] layout): what a
+    quantized reader returns when asked to keep it; placed as is, under the parameter's path + each suffix."""
 
 
 def _compile(names: dict) -> list[tuple[re.Pattern, list[tuple[str, str]], bool, bool]]:
     """(regex, [(param path, transform), ...], has layer index, has expert index) per name-map entry.
-    One checkpoint tensor may feed several parameters (e.g. GPT-OSS's interleaved gate/up)."""
+    One checkpoint tensor may feed several parameters (e.g. GPT-OSS's interleaved gate/up); a path may name
+    the pattern's groups ("attn/{x}")."""
     out = []
     for pattern, targets in names.items():
         targets = [targets] if isinstance(targets[0], str) else list(targets)
@@ -61,42 +69,54 @@ class Placement:
     transform: str | tuple
 
 
-def plan_import(reader, cfg: ModelConfig, names: dict, skip: tuple[str, ...] = ()) -> list[Placement]:
+def plan_import(reader, cfg: ModelConfig, names: dict, skip: tuple[str, ...] = (), *, renames=PREFIXES,
+                shapes: dict | None = None, layer=None, derived: tuple[str, ...] = (), what: str = "",
+                hint: str = "") -> list[Placement]:
     """Match every checkpoint tensor to its parameter and check names and shapes, reading no data.
 
     Raises CheckpointError naming the tensor for an unexpected or missing tensor or a wrong shape.
-    `skip`: regexes of checkpoint entries to leave out on purpose (logged).
+    skip: regexes of checkpoint entries to leave out on purpose (logged). renames: applied before matching.
+    shapes: flat parameter path -> shape (default: the model's); layer(i) -> (path prefix, leading index) for a
+    name's `{i}` (default: `layers/<kind>/` at the layer's rank); derived: parameters built elsewhere, not read;
+    what / hint: the kind of tensor named in errors ("MTP ") and a hint appended to the missing-tensor error.
     """
-    shapes = model.flat_shapes(cfg)
-    pl = model.plan(cfg)
+    pl = plan(cfg)
+    shapes = flat_shapes(cfg) if shapes is None else shapes
+    if layer is None:
+        def layer(i):
+            if i >= cfg.num_layers:
+                raise CheckpointError(f"the model has {cfg.num_layers} layers")
+            return f"layers/{pl.kind_of[i]}/", (pl.rank_of[i],)
     rules = _compile(names)
     ignored = [re.compile(p + r"\Z") for p in (*_common.IGNORED, *skip)]
     out: list[Placement] = []
     filled: set[tuple[str, tuple[int, ...]]] = set()  # (param path, index into its leading axes)
     skipped = 0
     for name in reader.keys():
-        canon = normalize(name)
+        canon = normalize(name, renames)
         match = next(((m, targets, li, ei) for rx, targets, li, ei in rules if (m := rx.match(canon))), None)
+        if match is None and any(rx.match(canon) or rx.match(name) for rx in ignored):
+            log.debug("skipping %s", name)
+            skipped += 1
+            continue
         if match is None:
-            if any(rx.match(canon) or rx.match(name) for rx in ignored):
-                log.debug("skipping %s", name)
-                skipped += 1
-                continue
-            raise CheckpointError(f"unexpected tensor {name!r}: no parameter of a {cfg.family} model takes it")
+            raise CheckpointError(f"unexpected tensor {name!r}: no {what}parameter of a {cfg.family} model takes it")
         m, targets, layered, per_expert = match
+        groups = {k: v for k, v in m.groupdict().items() if k not in ("i", "e")}
         index: tuple[int, ...] = ()
         prefix = ""
         if layered:
-            i = int(m.group("i"))
-            if i >= cfg.num_layers:
-                raise CheckpointError(f"unexpected tensor {name!r}: the model has {cfg.num_layers} layers")
-            prefix, index = f"layers/{pl.kind_of[i]}/", (pl.rank_of[i],)
+            try:
+                prefix, index = layer(int(m.group("i")))
+            except CheckpointError as e:
+                raise CheckpointError(f"unexpected tensor {name!r}: {e}") from None
         if per_expert:
             index += (int(m.group("e")),)
         for rel, transform in targets:
-            path = prefix + rel
+            path = prefix + rel.format(**groups).replace(".", "/")
             if path not in shapes:
-                raise CheckpointError(f"unexpected tensor {name!r}: this {cfg.family} config has no parameter {path}")
+                raise CheckpointError(f"unexpected tensor {name!r}: this {cfg.family} config has no {what}"
+                                      f"parameter {path}")
             full = shapes[path]
             if per_expert and index[-1] >= full[len(index) - 1]:
                 raise CheckpointError(f"unexpected tensor {name!r}: expert {index[-1]} of {full[len(index) - 1]}")
@@ -111,10 +131,10 @@ def plan_import(reader, cfg: ModelConfig, names: dict, skip: tuple[str, ...] = (
             out.append(Placement(name, path, index, tuple(want), transform))
     if skipped:
         log.info("left out %d checkpoint tensors this model does not use (e.g. vision, MTP)", skipped)
-    missing = [(p, r) for p, s in shapes.items() for r in ([None] if not p.startswith("layers/") else range(s[0]))
-               if not _complete(filled, p, r, s)]
+    missing = [(p, r) for p, s in shapes.items() if p not in derived
+               for r in (range(s[0]) if p.startswith("layers/") else (None,)) if not _complete(filled, p, r, s)]
     if missing:
-        raise CheckpointError(f"missing {len(missing)} tensors, e.g. {_describe(missing[:3], pl, names)}")
+        raise CheckpointError(f"missing {len(missing)} {what}tensors, e.g. {_describe(missing[:3], pl, names)}{hint}")
     return out
 
 
@@ -123,54 +143,64 @@ def _transform(t):
 
 
 def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", progress: bool = True,
-                  skip: tuple[str, ...] = ()) -> dict:
-    """Host (NumPy) parameters: every tensor read once (memory-mapped), transformed, placed in its stack."""
+                  skip: tuple[str, ...] = (), **plan_kw) -> dict:
+    """Host (NumPy) parameters: every tensor read once (memory-mapped), transformed, placed in its stack.
+    Each parameter takes `dtype` unless its ParamSpec keeps fp32 or int32; Quantized values stay bytes.
+    plan_kw: as plan_import (shapes must then come with `specs`, the flat ParamSpecs)."""
     target = np_dtype(dtype)
-    shapes = model.flat_shapes(cfg)
+    specs = plan_kw.pop("specs", None) or flatten(param_specs(cfg))
+    shapes = plan_kw.setdefault("shapes", {k: s.shape for k, s in specs.items()})
     out: dict[str, np.ndarray] = {}
-    cached: tuple[str, np.ndarray] | None = None  # one tensor may feed several parameters in a row
-    for pm in tqdm(plan_import(reader, cfg, names, skip), desc="import", unit="tensor", disable=not progress,
-                   leave=False):
+    cached: tuple[str, object] | None = None  # one tensor may feed several parameters in a row
+    for pm in tqdm(plan_import(reader, cfg, names, skip, **plan_kw), desc="import", unit="tensor",
+                   disable=not progress, leave=False):
         if cached is None or cached[0] != pm.name:
             cached = (pm.name, reader.get(pm.name))
-        value = np.asarray(_transform(pm.transform)[1](cached[1], pm.want)).astype(target)
-        if pm.index:
-            if pm.path not in out:
-                out[pm.path] = np.zeros(shapes[pm.path], target)
-            out[pm.path][pm.index] = value
+        value = cached[1]
+        if isinstance(value, Quantized):
+            parts = value.items()
         else:
-            out[pm.path] = value
+            dt = np.dtype(specs[pm.path].dtype or target)
+            parts = [("", np.asarray(_transform(pm.transform)[1](value, pm.want)).astype(dt))]
+        for suffix, v in parts:
+            path = pm.path + suffix
+            if pm.index:
+                if path not in out:
+                    out[path] = np.zeros(shapes[pm.path][:len(pm.index)] + v.shape, v.dtype)
+                out[path][pm.index] = v
+            else:
+                out[path] = v
     return unflatten(out)
 
 
 def import_sharded(reader, cfg: ModelConfig, names: dict, shardings: dict, dtype: str = "float32",
-                   skip: tuple[str, ...] = ()) -> dict:
+                   skip: tuple[str, ...] = (), **plan_kw) -> dict:
     """Device parameters placed by `shardings` (a tree like the params): each device's slice is read from
     the checkpoint on its own, so no process holds whole tensors it does not need (for the transforms
     whose slices map to contiguous source ranges; others read the tensor, then slice)."""
     import jax
 
     target = np_dtype(dtype)
-    shapes = model.flat_shapes(cfg)
+    specs = flatten(param_specs(cfg))
     by_path: dict[str, list[Placement]] = {}
-    for pm in plan_import(reader, cfg, names, skip):
+    for pm in plan_import(reader, cfg, names, skip, **plan_kw):
         by_path.setdefault(pm.path, []).append(pm)
     flat_shardings = {"/".join(k.key for k in path): s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
 
     def fill(path, idx):
-        full = shapes[path]
+        full = specs[path].shape
         idx = tuple(slice(*s.indices(n)) for s, n in zip(idx, full))
-        out = np.zeros(tuple(s.stop - s.start for s in idx), target)
-        for pm in by_path[path]:
+        out = np.zeros(tuple(s.stop - s.start for s in idx), np.dtype(specs[path].dtype or target))
+        for pm in by_path.get(path, ()):
             lead = idx[: len(pm.index)]
             if not all(s.start <= i < s.stop for s, i in zip(lead, pm.index)):
                 continue
             at = tuple(i - s.start for s, i in zip(lead, pm.index))
-            out[at] = read_slice(reader, pm, idx[len(pm.index):]).astype(target)
+            out[at] = read_slice(reader, pm, idx[len(pm.index):])
         return out
 
-    flat = {path: jax.make_array_from_callback(shape, flat_shardings[path], lambda idx, p=path: fill(p, idx))
-            for path, shape in shapes.items()}
+    flat = {path: jax.make_array_from_callback(s.shape, flat_shardings[path], lambda idx, p=path: fill(p, idx))
+            for path, s in specs.items() if path not in plan_kw.get("derived", ())}
     return unflatten(flat)
 
 
@@ -200,9 +230,9 @@ def read_slice(reader, pm: Placement, sub: tuple[slice, ...]) -> np.ndarray:
 
 def _complete(filled, path, rank, shape) -> bool:
     """A parameter slot is complete when filled whole, or (per-expert tensors) expert by expert."""
-    if rank is None:
-        return (path, ()) in filled
-    return (path, (rank,)) in filled or (len(shape) > 1 and all((path, (rank, e)) in filled for e in range(shape[1])))
+    base = () if rank is None else (rank,)
+    experts = shape[len(base)] if len(shape) > len(base) else 0
+    return (path, base) in filled or (experts > 0 and all((path, (*base, e)) in filled for e in range(experts)))
 
 
 def _describe(missing, pl, names) -> str:
@@ -213,21 +243,11 @@ def _describe(missing, pl, names) -> str:
         if rank is not None:
             kind, rel = path.split("/", 2)[1:]
             layer = next(i for i, (k, r) in enumerate(zip(pl.kind_of, pl.rank_of)) if k == int(kind) and r == rank)
-        source = next((pat for pat, t in names.items() if rel in ([t[0]] if isinstance(t[0], str) else [x[0] for x in t])), None)
+        source = next((pat for pat, t in names.items() if "(?P<" not in pat
+                       and rel in ([t[0]] if isinstance(t[0], str) else [x[0] for x in t])), None)
         where = rel if layer is None else f"layer {layer}: {rel}"
         if source is None:
             out.append(where)
         else:
             out.append(f"{source.replace(chr(92), '').replace('{i}', str(layer)).replace('{e}', '*')} ({where})")
     return ", ".join(out)
-
-
-def unflatten(flat: dict) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return tree

@@ -1,4 +1,5 @@
-"""The converted-model directory: `jaxmodels.json` (config), `params/` (orbax), tokenizer files.
+"""The converted-model directory, write side (read side: jaxmodels/checkpoint.py): `jaxmodels.json` (config),
+`params/` (orbax), tokenizer files.
 
 Written into a temporary sibling directory and renamed at the end, so a failed conversion leaves
 nothing behind at the destination.
@@ -13,14 +14,8 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from jaxmodels.checkpoint import CONFIG_FILE, FORMAT_VERSION
 from jaxmodels.config import ModelConfig
-
-CONFIG_FILE = "jaxmodels.json"
-FORMAT_VERSION = 1
-
-
-def is_converted(path: str | Path) -> bool:
-    return (Path(path) / CONFIG_FILE).exists()
 
 
 def save(dst: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, overwrite: bool = False) -> Path:
@@ -37,7 +32,7 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, overwr
             tokenizer.save(tmp)
         dtypes = sorted({str(a.dtype) for a in jax.tree.leaves(params)})
         meta = {"format_version": FORMAT_VERSION, "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-                "config": cfg.to_dict()}
+                "model_dtype": str(params["embed"].dtype), "quantized": _quantized(params), "config": cfg.to_dict()}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
         if dst.exists():
             shutil.rmtree(dst)
@@ -48,25 +43,7 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, overwr
     return dst
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    meta = json.loads((Path(path) / CONFIG_FILE).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported jaxmodels format version {meta.get('format_version')}")
-    return config_from_dict(meta["config"])
-
-
-def config_from_dict(d: dict):
-    """ModelConfig, or DeepseekConfig for the DeepSeek V4 families (their own config class)."""
-    from jaxmodels.families.deepseek_v4 import V4, V41, DeepseekConfig
-
-    return DeepseekConfig.from_dict(d) if d.get("family") in (V4, V41) else ModelConfig.from_dict(d)
-
-
-def load_meta(path: str | Path) -> dict:
-    return json.loads((Path(path) / CONFIG_FILE).read_text())
-
-
-def load_params(path: str | Path, target=None) -> dict:
-    """Restore params; `target` (a tree of jax.ShapeDtypeStruct, possibly sharded) places them directly."""
-    ckpt = ocp.StandardCheckpointer()
-    return ckpt.restore(Path(path).absolute() / "params", target)
+def _quantized(params) -> bool:
+    """Whether weights are kept as FP8/FP4 bytes (DeepSeek --keep-quantized)."""
+    return any(str(getattr(k, "key", "")) in ("fp8", "fp4") or str(getattr(k, "key", "")).endswith("_scale")
+               for path, _ in jax.tree_util.tree_flatten_with_path(params)[0] for k in path)

@@ -1,26 +1,25 @@
 """Block-scaled quantized weights -> float arrays (NumPy + ml_dtypes), exactly as the references decode them."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-# FP4 e2m1 code -> value; low nibble = element 2j, high nibble = element 2j+1 (specs/hf_families.md §3.7)
-FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+from jaxmodels.layers import qdq
+
+FP4_VALUES = qdq.FP4_TABLE  # e2m1 code -> value; low nibble = element 2j, high = element 2j+1 (hf_families.md §3.7)
 
 
 def e8m0_to_float(scales: np.ndarray) -> np.ndarray:
     """E8M0 exponent bytes -> 2^(s - 127) as float32 (255 is NaN)."""
-    return np.asarray(scales, np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    return qdq.e8m0_to_f32(np.asarray(scales, np.uint8))
 
 
 def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """MXFP4: blocks [..., G, 16] uint8 (two codes per byte), scales [..., G] E8M0 -> float32 [..., G*32]."""
-    blocks = np.asarray(blocks, np.uint8)
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape} (expected [..., G, 16])")
-    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
-    values = FP4_VALUES[codes] * e8m0_to_float(scales)[..., None]
-    return values.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)
+    lead, g = blocks.shape[:-2], blocks.shape[-2]
+    return qdq.dequant_fp4(blocks.reshape(*lead, 1, g * 16), scales[..., None, :], 32, np.float32).reshape(*lead, g * 32)
 
 
 class MXFP4Reader:

@@ -20,4 +20,6 @@ TRANSFORMS = {
     # GPT-OSS fused gate_up [..., 2I] with gate in the even and up in the odd columns
     "even_cols": (lambda t: (*t[:-1], 2 * t[-1]), lambda x, t: np.ascontiguousarray(x[..., 0::2])),
     "odd_cols": (lambda t: (*t[:-1], 2 * t[-1]), lambda x, t: np.ascontiguousarray(x[..., 1::2])),
+    # DeepSeek's grouped low-rank output wo_a [G*Ro, H*d/G] -> [G, H*d/G, Ro]
+    "wo_a": (lambda t: (t[0] * t[2], t[1]), lambda x, t: np.ascontiguousarray(x.reshape(t[0], t[2], t[1]).transpose(0, 2, 1))),
 }

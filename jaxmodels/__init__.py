@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxmodels import model as _model, sharding
+from jaxmodels import checkpoint, model as _model, sharding
 from jaxmodels.config import AttentionSpec, LayerSpec, MLPSpec, ModelConfig, RopeSpec
 from jaxmodels.generate import GenerateOutput, generate
 from jaxmodels.tokenizer import Tokenizer
@@ -37,12 +36,9 @@ class Model:
         return self.params["embed"].dtype
 
     @property
-    def sharding(self) -> tuple | None:
-        """Hashable (mesh, rules) for jitted code, or None when unsharded."""
-        if self.mesh is None:
-            return None
-        rules = sharding.RULES[self.rules] if isinstance(self.rules, str) else self.rules
-        return self.mesh, tuple(sorted((k, v if isinstance(v, str) else tuple(v)) for k, v in rules.items()))
+    def sharding(self) -> sharding.Sharding | None:
+        """Hashable mesh + rules for jitted code, or None when unsharded."""
+        return sharding.Sharding.of(self.mesh, self.rules)
 
 
 def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
@@ -51,37 +47,40 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
 
     mesh: place the parameters on this mesh (axes among data, fsdp, tensor, expert) by `rules` (a preset
     name of `jaxmodels.sharding.RULES` or a dict); a converted directory is restored straight into
-    that sharding, each device reading only its shards.
+    that sharding, each device reading only its shards. dtype: cast the floating parameters (those the plan
+    keeps fp32, e.g. mHC mixes and sinks, stay fp32).
     """
-    from converters import orbax_io, read_source, read_source_sharded
-
     path = Path(path)
-    if orbax_io.is_converted(path):
-        cfg = orbax_io.load_config(path)
+    if checkpoint.is_converted(path):
+        cfg = checkpoint.load_config(path)
         target = None
         if mesh is not None:
-            meta = orbax_io.load_meta(path)
-            target = jax.tree.map(lambda shape, s: jax.ShapeDtypeStruct(shape, meta["dtype"], sharding=s),
-                                  _model.param_shapes(cfg), sharding.shardings(cfg, mesh, rules),
-                                  is_leaf=lambda x: isinstance(x, tuple))
-        params = orbax_io.load_params(path, target)
+            meta = checkpoint.load_meta(path)
+            if meta.get("quantized"):
+                raise NotImplementedError("restoring kept-quantized weights onto a mesh is not supported yet")
+            dt = meta.get("model_dtype", meta["dtype"])
+            stored = jax.eval_shape(lambda: _model.cast(cfg, _model.init_params(cfg), dt))
+            target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), stored,
+                                  sharding.shardings(cfg, mesh, rules))
+        params = checkpoint.load_params(path, target)
         params = jax.tree.map(jnp.asarray, params) if mesh is None else params
         tok = Tokenizer.from_dir(path)
     else:
+        from converters import read_source, read_source_sharded
+
         if mesh is None:
             cfg, params, tok = read_source(path, dtype or "float32")
             params = jax.tree.map(jnp.asarray, params)
         else:
             cfg, params, tok = read_source_sharded(path, mesh, rules, dtype or "float32")
-    if dtype is not None:  # floating leaves only: routing and token tables stay integer
-        params = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+    if dtype is not None:
+        params = _model.cast(cfg, params, dtype)
     return Model(cfg, params, tok, mesh, rules)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3))
 def _forward(params, cfg, tokens, shard):
-    with sharding.use(*shard) if shard else contextlib.nullcontext():
-        return _model.forward(params, cfg, tokens)
+    return _model.forward(params, cfg, tokens, shard=shard)
 
 
 def forward(model: Model, tokens) -> jax.Array:

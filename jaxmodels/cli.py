@@ -21,16 +21,11 @@ def _convert(args) -> int:
 
 def describe(path: str | Path) -> dict:
     """Architecture, layer plan, parameter count and bytes of a converted dir or a source checkpoint."""
-    import math
-
-    from converters import orbax_io
-    from jaxmodels import families, model as M
-    from jaxmodels.families.deepseek_v4 import DeepseekConfig
+    from jaxmodels import checkpoint, families, plan
 
     path = Path(path)
-    if orbax_io.is_converted(path):
-        meta = orbax_io.load_meta(path)
-        cfg, dtype = orbax_io.load_config(path), meta.get("dtype")
+    if checkpoint.is_converted(path):
+        cfg, dtype = checkpoint.load_config(path), checkpoint.load_meta(path).get("dtype")
     elif not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     elif path.suffix == ".gguf":
@@ -40,60 +35,42 @@ def describe(path: str | Path) -> dict:
     else:
         cfg, dtype = families.config_from_hf(json.loads((path / "config.json").read_text())), "source"
     width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype if isinstance(dtype, str) else "", None)
-    if isinstance(cfg, DeepseekConfig):
-        return _describe_deepseek(cfg, path, dtype, width)
-    shapes = M.flat_shapes(cfg)
-    n = sum(math.prod(s) for s in shapes.values())
-    pl = M.plan(cfg)
+    n = plan.param_count(cfg)
+    pl = plan.plan(cfg)
     kinds = []
     for k, spec in enumerate(pl.kinds):
         a, m = spec.attention, spec.mlp
         rope = "NoPE" if a.rope is None else f"{a.rope.kind} θ={a.rope.theta:g}" + (" interleaved" if a.rope.interleaved else "")
+        attn = ("sliding W=%d" % a.window) if a.window else "full causal"
+        if a.kind == "mla":
+            r = a.mla
+            rope += f" (last {r.rope_dim})"
+            attn = f"latent, window W={a.window}" + (f" + 1/{r.ratio} compressed ({r.select}" + (", own" if r.compress else "")
+                                                   + ")" if r.ratio else "")
+            extra = [x for x, on in (("engram", spec.engram >= 0), ("hash-routed", m.router == "hash"),
+                                     ("candidate source", r.candidate_source), ("candidate filter", r.candidate_filter)) if on]
+            attn += f"; {', '.join(extra)}" if extra else ""
+        router = f" {m.router}" + (f"/{m.score_func}" if m.router in ("biased_topk", "hash") else "")
         kinds.append({
-            "kind": k, "layers": [i for i, x in enumerate(pl.kind_of) if x == k],
-            "attention": ("sliding W=%d" % a.window) if a.window else "full causal",
-            "rope": rope, "qk_norm": a.qk_norm, "bias": a.qkv_bias, "sinks": a.sinks,
-            "mlp": f"{m.kind} {m.activation} I={m.intermediate_size}", "block": spec.block, "norm": spec.norm,
+            "kind": k, "layers": [i for i, x in enumerate(pl.kind_of) if x == k], "attention": attn, "rope": rope,
+            "qk_norm": a.qk_norm, "bias": a.qkv_bias, "sinks": a.sinks,
+            "mlp": f"{m.kind} {m.activation} I={m.intermediate_size}" + (
+                f"{router} {m.num_experts} experts top-{m.top_k}" if m.kind == "moe" else ""),
+            "block": spec.block if spec.mhc is None else f"mHC x{spec.mhc.copies}", "norm": spec.norm,
         })
     return {"family": cfg.family, "path": str(path), "dtype": dtype, "vocab": cfg.vocab_size,
             "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim, "layers": cfg.num_layers, "tied": cfg.tie_embeddings,
             "parameters": n, "bytes": n * width if width else None,
-            "scan": f"{pl.n_periods} × period of {pl.period}" + (f" + {cfg.num_layers % pl.period} tail" if cfg.num_layers % pl.period else ""),
+            "scan": f"{_runs(pl, pl.runs)} ({pl.bodies()} layer bodies traced)" + (
+                f", {cfg.numerics} numerics" if cfg.numerics != "plain" else ""),
             "kinds": kinds}
 
 
-def _describe_deepseek(cfg, path, dtype, width) -> dict:
-    """describe() for DeepSeek V4/V4.1: layers grouped by role (they run unrolled, not as a scanned plan)."""
-    import math
-
-    from jaxmodels import deepseek
-
-    n = sum(math.prod(s) for s in _shape_leaves(deepseek.param_shapes(cfg)))
-    roles: dict = {}
-    for i, L in enumerate(cfg.layers):
-        attn = f"window W={cfg.window}" + (f" + 1/{L.ratio} compressed ({L.select}"
-                                           + (", own" if L.compress else "") + ")" if L.ratio else "")
-        extra = [x for x, on in (("engram", L.engram >= 0), ("hash-routed", L.hash_moe),
-                                 ("candidate source", L.candidate_source), ("candidate filter", L.candidate_filter)) if on]
-        roles.setdefault((attn, ", ".join(extra)), []).append(i)
-    kinds = [{"kind": k, "layers": ls, "attention": attn + (f"; {extra}" if extra else ""),
-              "rope": f"{cfg.rope_for(cfg.layers[ls[0]]).kind} interleaved (last {cfg.rope_dim})", "qk_norm": None,
-              "bias": False, "sinks": True, "block": f"mHC x{cfg.hc_mult}", "norm": "rms_fp32",
-              "mlp": f"moe {cfg.score_func} {cfg.num_experts} experts top-{cfg.top_k} I={cfg.moe_intermediate_size}"}
-             for k, ((attn, extra), ls) in enumerate(roles.items())]
-    return {"family": cfg.family, "path": str(path), "dtype": dtype, "vocab": cfg.vocab_size,
-            "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": 1, "head_dim": cfg.head_dim,
-            "layers": cfg.num_layers, "tied": cfg.tie_embeddings, "parameters": n, "bytes": n * width if width else None,
-            "scan": f"unrolled ({cfg.numerics} numerics)", "kinds": kinds}
-
-
-def _shape_leaves(tree):
-    for v in tree.values():
-        if isinstance(v, dict):
-            yield from _shape_leaves(v)
-        else:
-            yield tuple(v)
+def _runs(pl, runs) -> str:
+    """'8×[3×[k0], k1]': the scanned runs of the plan, by kind."""
+    parts = [f"k{pl.kind_of[r.start]}" if r.body is None else f"{r.repeats}×[{_runs(pl, r.body)}]" for r in runs]
+    return ", ".join(parts)
 
 
 def _inspect(args) -> int:

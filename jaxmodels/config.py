@@ -1,14 +1,37 @@
-"""The layer plan: a frozen, hashable description of a model that every executor reads.
+"""The layer plan's vocabulary: frozen, hashable specs that every executor reads.
 
-`ModelConfig.layers` holds one `LayerSpec` per decoder layer. Layers with equal specs share one
-parameter stack and one cache layout; `jaxmodels.model` scans over repeating runs of them.
+`ModelConfig.layers` holds one `LayerSpec` per decoder layer: its attention (GQA, or DeepSeek's latent
+attention `mla` with compressor / indexer roles), its MLP (gated, or MoE with a router kind), where the
+norms sit, its residual kind (plain, or mHC's n streams) and extras (Engram). Layers with equal specs share
+one parameter stack and one cache layout; `jaxmodels.plan` groups them, `jaxmodels.model` executes them.
+Every choice is validated at construction and named in the message.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+NORM_KINDS = ("rms", "rms_fp32", "gemma", "layernorm")
+BLOCK_KINDS = ("pre", "post", "sandwich", "parallel")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "swiglu_clamp", "silu_limit")
+# softmax_topk: softmax over all -> top-k (Qwen3-MoE) | topk_softmax: top-k logits -> softmax over k (GPT-OSS) |
+# biased_topk: scores = score_func(logits) in fp32, experts picked on scores + a selection-only bias, weighted by
+# the unbiased scores (DeepSeek) | hash: the same scores, experts looked up by token id (DeepSeek V4's first layers)
+ROUTERS = ("softmax_topk", "topk_softmax", "biased_topk", "hash")
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+MLA_SELECT = ("none", "all", "indexer", "reuse")
+INDEX_KEYS = ("none", "compressor", "latent", "shared")
+MLA_VARIANTS = ("v4", "v4.1")
+NUMERICS = ("plain", "reference")
+
+
+def _one_of(owner: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}.{name} must be one of {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -18,7 +41,7 @@ class RopeSpec:
     theta: float = 10000.0
     kind: str = "default"  # default | linear | dynamic | llama3 | yarn
     factor: float = 1.0
-    interleaved: bool = False  # pairs (2j, 2j+1) rotate (Cohere) instead of halves
+    interleaved: bool = False  # pairs (2j, 2j+1) rotate (Cohere, DeepSeek) instead of halves
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position: int | None = None  # llama3, yarn, dynamic
@@ -31,44 +54,119 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek V4's attention (specs/deepseek_v4.md §5, §13): low-rank queries, one shared K=V latent head of
+    head_dim, RoPE on its last rope_dim channels, a grouped low-rank output, and the roles of compressed layers.
+
+    ratio > 0 layers also attend compressed entries (one per `ratio` tokens): `compress` layers build and publish
+    them; `select` says which they attend (all | their own indexer's top-k | the top-k published by an earlier
+    indexer); `index_keys` where the indexer's keys come from (V4: its own overlapped compressor; V4.1: the
+    kv source's latent, or the keys published last). V4.1's candidate source publishes candidate blocks that
+    later indexers rescore inside.
+    """
+
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    rope_dim: int
+    variant: str = "v4.1"  # v4: per-head q RMS, compressor position bias, its quantisation recipe
+    ratio: int = 0
+    compress: bool = False
+    select: str = "none"
+    index_keys: str = "none"
+    candidate_source: bool = False
+    candidate_filter: bool = False
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    candidate_blocks: int = 0
+    candidate_block_size: int = 0
+
+    def __post_init__(self):
+        _one_of("MLASpec", "variant", self.variant, MLA_VARIANTS)
+        _one_of("MLASpec", "select", self.select, MLA_SELECT)
+        _one_of("MLASpec", "index_keys", self.index_keys, INDEX_KEYS)
+        if (self.ratio > 0) != (self.select != "none"):
+            raise ValueError(f"MLASpec: ratio={self.ratio} needs select != 'none' exactly when ratio > 0")
+        if (self.select == "indexer") != (self.index_keys != "none"):
+            raise ValueError("MLASpec: an indexer (select='indexer') needs index_keys, and only it")
+        if self.compress and self.select == "reuse":
+            raise ValueError("MLASpec: a compressing layer attends its own entries, it cannot reuse a top-k")
+        if self.candidate_filter and (self.candidate_blocks * self.candidate_block_size
+                                      - (self.candidate_block_size - 1) < self.index_topk):
+            # below this, the reference may attend visible entries outside the candidates; we keep top-k inside
+            raise ValueError("candidate_blocks * candidate_block_size - (block - 1) must be >= index_topk")
+
+    @property
+    def overlap(self) -> bool:
+        """V4 CSA: each entry pools the previous group too, through 2x-wide projections."""
+        return self.select == "indexer" and self.index_keys == "compressor"
+
+    @property
+    def compressor_gate(self) -> bool:
+        return self.ratio > 1 or self.variant == "v4"
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
+    kind: str = "gqa"  # gqa (grouped-query attention, incl. MHA/MQA) | mla (DeepSeek V4, see `mla`)
     window: int | None = None  # sliding window W: the query and W-1 earlier keys; None = full causal
     rope: RopeSpec | None = field(default_factory=RopeSpec)  # None = NoPE
     qk_norm: str | None = None  # None | a norm kind (see NORM_KINDS), applied per head before RoPE
     qk_norm_per_head: bool = False  # Cohere: one weight row per head ([heads, head_dim])
     qkv_bias: bool = False
     out_bias: bool = False
-    sinks: bool = False  # GPT-OSS: a learned per-head logit that absorbs probability mass
+    sinks: bool = False  # a learned per-head logit that absorbs probability mass (GPT-OSS, DeepSeek)
     scale: float | None = None  # None = head_dim ** -0.5
     softcap: float | None = None  # score = cap * tanh(score / cap)
+    mla: MLASpec | None = None
+
+    def __post_init__(self):
+        _one_of("AttentionSpec", "kind", self.kind, ("gqa", "mla"))
+        if (self.kind == "mla") != (self.mla is not None):
+            raise ValueError("AttentionSpec: kind='mla' needs an MLASpec (and only it)")
 
 
 @dataclass(frozen=True)
 class MLPSpec:
     kind: str = "gated"  # gated: down(act(gate x) * up x) | moe: routed gated experts
-    activation: str = "silu"  # silu | gelu_tanh | gelu | swiglu_clamp | silu_limit
+    activation: str = "silu"
     intermediate_size: int = 0  # per expert for moe
     bias: bool = False
     clamp_alpha: float = 1.702  # swiglu_clamp only
-    clamp_limit: float = 7.0  # swiglu_clamp only
+    clamp_limit: float = 7.0  # swiglu_clamp, silu_limit
+    activation_fp32: bool = False  # the activation and gating product in fp32 (DeepSeek's experts)
     # moe only
     num_experts: int = 0
     top_k: int = 0
-    router: str = "softmax_topk"  # softmax_topk: softmax over all -> top-k (Qwen3-MoE) | topk_softmax: top-k
-    #                               of the logits -> softmax over k (GPT-OSS)
-    renormalize: bool = False  # softmax_topk: divide the k weights by their sum
-    router_bias: bool = False  # a bias added to the router logits
+    router: str = "softmax_topk"  # see ROUTERS
+    score_func: str = "softmax"  # biased_topk / hash: see SCORE_FUNCS
+    renormalize: bool = False  # divide the k weights by their sum (+1e-20)
+    router_bias: bool = False  # a bias added to the router logits (GPT-OSS)
+    selection_bias: bool = False  # biased_topk: a bias that only picks the experts
+    route_scale: float = 1.0  # the routing weights are multiplied by this
     shared_intermediate_size: int = 0  # a shared (always-on) gated expert of this width; 0 = none
 
     def __post_init__(self):
-        if self.kind not in ("gated", "moe"):
-            raise ValueError(f"MLPSpec.kind must be 'gated' or 'moe', got {self.kind!r}")
+        _one_of("MLPSpec", "kind", self.kind, ("gated", "moe"))
+        _one_of("MLPSpec", "activation", self.activation, ACTIVATIONS)
+        _one_of("MLPSpec", "router", self.router, ROUTERS)
+        _one_of("MLPSpec", "score_func", self.score_func, SCORE_FUNCS)
         if self.kind == "moe" and not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"moe needs 0 < top_k <= num_experts, got {self.top_k} of {self.num_experts}")
 
 
-NORM_KINDS = ("rms", "rms_fp32", "gemma", "layernorm")
-BLOCK_KINDS = ("pre", "post", "sandwich", "parallel")
+@dataclass(frozen=True)
+class MHCSpec:
+    """Manifold-constrained hyper-connections (DeepSeek V4): the residual stream as `copies` streams mixed by
+    Sinkhorn-normalised matrices. delayed (V4.1): each sublayer collapses its input with the previous
+    sublayer's pre-mix, the model's output with the last one; otherwise (V4) each site collapses with its own
+    and a learned `hc_head` collapses the output."""
+
+    copies: int = 4
+    sinkhorn_iters: int = 20
+    eps: float = 1e-6
+    delayed: bool = True
 
 
 @dataclass(frozen=True)
@@ -77,13 +175,48 @@ class LayerSpec:
     mlp: MLPSpec = field(default_factory=MLPSpec)
     block: str = "pre"  # pre | post | sandwich | parallel (where the norms sit)
     norm: str = "rms"  # rms (HF RMS A) | rms_fp32 (RMS B) | gemma (1+w) | layernorm (no bias)
-    residual: str = "plain"
+    mhc: MHCSpec | None = None  # residual kind: mHC streams, else a plain residual
+    engram: int = -1  # Engram: index of this layer's table among the model's engram layers; -1 = none
 
     def __post_init__(self):
-        if self.block not in BLOCK_KINDS:
-            raise ValueError(f"LayerSpec.block must be one of {BLOCK_KINDS}, got {self.block!r}")
-        if self.norm not in NORM_KINDS:
-            raise ValueError(f"LayerSpec.norm must be one of {NORM_KINDS}, got {self.norm!r}")
+        _one_of("LayerSpec", "block", self.block, BLOCK_KINDS)
+        _one_of("LayerSpec", "norm", self.norm, NORM_KINDS)
+        if self.mhc is not None and self.block != "pre":
+            raise ValueError(f"LayerSpec: mHC layers norm before each sublayer (block 'pre'), got {self.block!r}")
+
+    @property
+    def residual(self) -> str:
+        return "plain" if self.mhc is None else "mhc"
+
+
+@dataclass(frozen=True)
+class EngramSpec:
+    """DeepSeek V4.1's n-gram hash lookups (specs/deepseek_v4.md §7): hashing is shared by all engram layers."""
+
+    layer_ids: tuple[int, ...]
+    max_ngram: int
+    vocab_size: int
+    n_heads: int
+    head_dim: int
+    compressed_vocab: int  # classes of the normalised vocabulary (the hash multipliers depend on it)
+    pad_token: int = 2  # a raw token id; its compressed class pads the n-grams
+    rows: tuple[int, ...] = ()  # table rows per engram layer
+
+
+@dataclass(frozen=True)
+class MTPSpec:
+    """DeepSeek's multi-token prediction blocks (jaxmodels/deepseek_mtp.py): V4's classic MTP or V4.1's DSpark."""
+
+    kind: str  # classic | dspark
+    layers: int
+    layer: LayerSpec  # the spec every block's attention + MoE runs with (window only; its own expert count)
+    block_size: int = 0  # dspark
+    noise_token: int = 0
+    target_layers: tuple[int, ...] = ()
+    markov_rank: int = 0
+
+    def __post_init__(self):
+        _one_of("MTPSpec", "kind", self.kind, ("classic", "dspark"))
 
 
 @dataclass(frozen=True)
@@ -105,16 +238,31 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    numerics: str = "plain"  # plain | reference (DeepSeek: the reference's simulated FP8/FP4 quantisation)
+    quant_block: int = 32  # reference numerics: FP8 activation block (V4.1: 32, V4: 128)
+    engram: EngramSpec | None = None
+    mtp: MTPSpec | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        _one_of("ModelConfig", "numerics", self.numerics, NUMERICS)
+        _one_of("ModelConfig", "norm", self.norm, NORM_KINDS)
+        if len({L.mhc for L in self.layers}) > 1:
+            raise ValueError("ModelConfig: every layer needs the same residual kind (mHC streams or plain)")
+        n_engram = len(self.engram.layer_ids) if self.engram else 0
+        if any(L.engram >= n_engram for L in self.layers):
+            raise ValueError(f"ModelConfig: a layer uses an engram table beyond the {n_engram} configured")
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def mhc(self) -> MHCSpec | None:
+        return self.layers[0].mhc if self.layers else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -124,21 +272,34 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        d = dict(d)
-        d["layers"] = tuple(_layer_from_dict(x) for x in d["layers"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
-        return cls(**d)
+        return _from_dict(cls, d)
 
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
         return cls.from_dict(json.loads(text))
 
 
-def _layer_from_dict(d: dict[str, Any]) -> LayerSpec:
-    a = dict(d["attention"])
-    a["rope"] = RopeSpec(**a["rope"]) if a.get("rope") else None
-    return LayerSpec(
-        attention=AttentionSpec(**a),
-        mlp=MLPSpec(**d["mlp"]),
-        **{k: v for k, v in d.items() if k not in ("attention", "mlp")},
-    )
+LEGACY_KEYS = {"residual"}  # written by format version 1 (derived now)
+
+
+def _from_dict(cls, d: dict):
+    """A (nested) spec from its `dataclasses.asdict` form, typed by the field annotations."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names - LEGACY_KEYS
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    return cls(**{k: _decode(hints[k], v) for k, v in d.items() if k in names})
+
+
+def _decode(tp, v):
+    if v is None:
+        return None
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, v)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _decode(next(a for a in args if a is not type(None)), v)
+    if origin is tuple:
+        return tuple(_decode(args[0], x) for x in v)
+    return v

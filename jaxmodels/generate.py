@@ -1,7 +1,6 @@
 """Batched generation: one jitted program runs the prefill and the whole decode loop on device."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -10,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels import model as M, sharding
+from jaxmodels import model as M
 from jaxmodels.distributed import to_host
 from jaxmodels.sampling import Sampling, sample
 
@@ -34,14 +33,9 @@ def _bucket(n: int, minimum: int = 16) -> int:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard"))
 def _generate(params, tokens, lengths, key, eos, *, cfg, max_new, sampling, max_len, unroll=1, shard=None):
-    with sharding.use(*shard) if shard else contextlib.nullcontext():
-        return _loop(params, tokens, lengths, key, eos, cfg, max_new, sampling, max_len, unroll)
-
-
-def _loop(params, tokens, lengths, key, eos, cfg, max_new, sampling, max_len, unroll):
     B = tokens.shape[0]
-    cache = M.init_cache(cfg, B, max_len, params["embed"].dtype)  # allocated once, updated in place
-    logits, cache = M.prefill(params, cfg, tokens, lengths, cache)
+    cache = M.init_cache(cfg, B, max_len, params["embed"].dtype, shard=shard)  # allocated once, updated in place
+    logits, cache = M.prefill(params, cfg, tokens, lengths, cache, shard=shard)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sampling)
     out = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
@@ -53,7 +47,7 @@ def _loop(params, tokens, lengths, key, eos, cfg, max_new, sampling, max_len, un
 
     def body(state):
         step, tok, out, done, cache, key = state
-        logits, cache = M.decode_step(params, cfg, tok, lengths + step - 1, cache, unroll)
+        logits, cache = M.decode_step(params, cfg, tok, lengths + step - 1, cache, unroll, shard=shard)
         key, sub = jax.random.split(key)
         nxt = sample(logits, sub, sampling)
         nxt = jnp.where(done, 0, nxt)

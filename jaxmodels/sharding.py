@@ -4,45 +4,26 @@
     model = jm.load(path, mesh=mesh)                 # params placed by the default rules (preset "tp")
     model = jm.load(path, mesh=mesh, rules="fsdp_tp")
 
-Logical names are declared once per parameter *kind* (by its leaf name), never per family. A rule maps
-a logical name to a mesh axis (or a tuple of them). A dimension that a mesh axis does not divide stays
+Logical names are declared once, with each parameter's shape (`jaxmodels.plan.ParamSpec`). A rule maps a
+logical name to a mesh axis (or a tuple of them). A dimension that a mesh axis does not divide stays
 replicated (e.g. 2 kv heads over tensor=4), so any mesh shape works and only the speed changes.
+Activations are pinned through a `Sharding` passed to the executor as an argument (no ambient context).
 """
 from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager
-from contextvars import ContextVar
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxmodels import plan
+
 log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
-
-# logical names of each parameter kind's dimensions (after the leading "layers" axis for layer params)
-LEAF_AXES = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("norm",),
-    "wq": ("embed", "heads", "head_dim"),
-    "wk": ("embed", "kv_heads", "head_dim"),
-    "wv": ("embed", "kv_heads", "head_dim"),
-    "wo": ("heads", "head_dim", "embed"),
-    "bq": ("heads", "head_dim"),
-    "bk": ("kv_heads", "head_dim"),
-    "bv": ("kv_heads", "head_dim"),
-    "bo": ("norm",),
-    "sinks": ("heads",),
-    "router": ("embed", None),
-    "router_bias": (None,),
-}
-DENSE_MLP = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-             "b_gate": ("mlp",), "b_up": ("mlp",), "b_down": ("norm",)}
-EXPERT_MLP = {k: ("experts", *v) for k, v in DENSE_MLP.items()}
 
 # presets: logical name -> mesh axis (or tuple); names not listed are replicated
 RULES = {
@@ -72,25 +53,6 @@ def make_mesh(spec: str | dict, devices=None) -> Mesh:
     return Mesh(devices.reshape(tuple(spec.values())), tuple(spec))
 
 
-def param_axes(path: str, ndim: int, moe: bool = False) -> tuple:
-    """Logical names of a parameter's dimensions from its path (`layers/0/attn/wq`)."""
-    parts = path.split("/")
-    leaf = parts[-1]
-    if leaf.endswith("norm"):
-        names = ("norm",) * (ndim - (1 if parts[0] == "layers" else 0))
-        if leaf in ("q_norm", "k_norm") and len(names) == 2:  # Cohere's per-head weights
-            names = ("heads" if leaf == "q_norm" else "kv_heads", "head_dim")
-    elif "mlp" in parts and leaf in DENSE_MLP:
-        names = EXPERT_MLP[leaf] if moe and "shared" not in parts else DENSE_MLP[leaf]
-    else:
-        names = LEAF_AXES[leaf]
-    if parts[0] == "layers":
-        names = ("layers", *names)
-    if len(names) != ndim:
-        raise ValueError(f"{path}: {ndim} dims but logical axes {names}")
-    return names
-
-
 def spec_for(names, shape, mesh: Mesh, rules: dict) -> P:
     """PartitionSpec for logical `names`; axes the mesh lacks, or that do not divide the dim, stay replicated."""
     out, used = [], set()
@@ -117,19 +79,9 @@ def _rules(rules) -> dict:
 
 def param_specs(cfg, mesh: Mesh, rules="tp") -> dict:
     """The PartitionSpec of every parameter, as a tree shaped like the params."""
-    from jaxmodels import model as M
-
     rules = _rules(rules)
-    pl = M.plan(cfg)
-    out = {}
-    for path, shape in M.flat_shapes(cfg).items():
-        parts = path.split("/")
-        moe = parts[0] == "layers" and pl.kinds[int(parts[1])].mlp.kind == "moe"
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = spec_for(param_axes(path, len(shape), moe), shape, mesh, rules)
-    return out
+    flat = plan.flatten(plan.param_specs(cfg))
+    return plan.unflatten({path: spec_for(s.axes, s.shape, mesh, rules) for path, s in flat.items()})
 
 
 def shardings(cfg, mesh: Mesh, rules="tp") -> dict:
@@ -147,35 +99,29 @@ def shard_params(params: dict, cfg, mesh: Mesh, rules="tp") -> dict:
 
 
 # ------------------------------------------------------------------------------------ activations
-_ACTIVE: ContextVar = ContextVar("jaxmodels_sharding", default=None)
+@dataclass(frozen=True)
+class Sharding:
+    """A mesh and its rules, hashable: a static argument of jitted code, passed down to the layers that
+    constrain activations or split experts."""
 
+    mesh: Mesh
+    rules: tuple
 
-@contextmanager
-def use(mesh: Mesh | None, rules="tp"):
-    """Within this context, `constrain` pins activations by logical names (traced functions read it)."""
-    token = _ACTIVE.set(None if mesh is None else (mesh, _rules(rules)))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    @classmethod
+    def of(cls, mesh: Mesh | None, rules="tp") -> "Sharding | None":
+        if mesh is None:
+            return None
+        r = _rules(rules)
+        return cls(mesh, tuple(sorted((k, v if isinstance(v, str) else tuple(v)) for k, v in r.items())))
 
+    def constrain(self, x, names: tuple):
+        """with_sharding_constraint by logical names."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec_for(names, x.shape, self.mesh,
+                                                                                      dict(self.rules))))
 
-def constrain(x, names: tuple):
-    """with_sharding_constraint by logical names; a no-op outside `use(mesh)`."""
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, x.shape, mesh, rules)))
-
-
-def expert_axis(num_experts: int) -> tuple[Mesh, str] | None:
-    """(mesh, axis) when the active rules shard `experts` over a mesh axis that divides them."""
-    active = _ACTIVE.get()
-    if active is None:
+    def expert_axis(self, num_experts: int) -> tuple[Mesh, str] | None:
+        """(mesh, axis) when the rules shard `experts` over a mesh axis that divides them."""
+        axis = dict(self.rules).get("experts")
+        if isinstance(axis, str) and self.mesh.shape.get(axis, 1) > 1 and num_experts % self.mesh.shape[axis] == 0:
+            return self.mesh, axis
         return None
-    mesh, rules = active
-    axis = rules.get("experts")
-    if isinstance(axis, str) and mesh.shape.get(axis, 1) > 1 and num_experts % mesh.shape[axis] == 0:
-        return mesh, axis
-    return None

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jaxmodels as jm
-from jaxmodels import families, model as M
+from jaxmodels import cache as kv, families, model as M
+from jaxmodels.plan import plan
 from jaxmodels.config import ModelConfig
 from jaxmodels.sampling import Sampling, filter_logits, sample
 
@@ -117,16 +118,21 @@ def test_sliding_layers_keep_a_window_sized_ring():
     cfg = families.config_from_hf({**HF, "model_type": "cohere2", "num_hidden_layers": 4, "layer_norm_eps": 1e-5})
     small, large = M.init_cache(cfg, 1, 64, jnp.float32), M.init_cache(cfg, 1, 4096, jnp.float32)
     sliding, full = 0, 1  # kinds in order of first appearance: LLLG
-    assert M.plan(cfg).kinds[sliding].attention.window == 6
-    assert M.cache_bytes(small)[sliding] == M.cache_bytes(large)[sliding] == 2 * 3 * 6 * 2 * 8 * 4
-    assert M.cache_bytes(large)[full] == 64 * M.cache_bytes(small)[full]
+    assert plan(cfg).kinds[sliding].attention.window == 6
+    assert kv.bytes_by_kind(small)[sliding] == kv.bytes_by_kind(large)[sliding] == 2 * 3 * 6 * 2 * 8 * 4
+    assert kv.bytes_by_kind(large)[full] == 64 * kv.bytes_by_kind(small)[full]
 
 
 # ------------------------------------------------------------------------------------------- plan
-def test_plan_scans_whole_periods_and_unrolls_the_tail():
+def test_plan_scans_whole_periods_and_the_tail():
+    from jaxmodels.plan import Run
+
     cfg = families.config_from_hf({**HF, "model_type": "cohere2", "num_hidden_layers": 10, "layer_norm_eps": 1e-5})
-    pl = M.plan(cfg)
-    assert (pl.period, pl.n_periods, pl.counts, pl.per_period) == (4, 2, (8, 2), (3, 1))
+    pl = plan(cfg)
+    one = lambda i: Run(i, 1, 1)  # noqa: E731
+    # LLLG LLLG LL: two repeats of (3 sliding layers scanned, the global one), then the 2 sliding layers scanned
+    assert pl.runs == (Run(0, 4, 2, (Run(0, 1, 3, (one(0),)), one(3))), Run(8, 1, 2, (one(8),)))
+    assert pl.bodies() == 3 and pl.counts == (8, 2)
     assert pl.kind_of == (0, 0, 0, 1) * 2 + (0, 0)
     assert pl.rank_of == (0, 1, 2, 0, 3, 4, 5, 1, 6, 7)
 

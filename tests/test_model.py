@@ -18,5 +18,6 @@ def _program_size(layers: int, model_type: str = "llama") -> int:
 def test_program_size_does_not_grow_with_depth():
     """The compiled program (hence compile time) of 32 layers is as large as that of 2 layers."""
     assert _program_size(32) < 1.05 * _program_size(2)
-    # LLLG plans scan whole periods: 32 layers cost as much as one period of 4
-    assert _program_size(32, "cohere2") < 1.05 * _program_size(4, "cohere2")
+    # LLLG plans scan whole periods (each a scan of the 3 sliding layers + the global one): 32 layers cost as
+    # much as two periods of 4
+    assert _program_size(32, "cohere2") < 1.05 * _program_size(8, "cohere2")

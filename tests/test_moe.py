@@ -19,7 +19,7 @@ import torch
 
 from jaxmodels.config import MLPSpec
 from jaxmodels.layers import moe
-from jaxmodels.model import _mlp_shapes
+from jaxmodels.plan import mlp_param_specs
 
 D = 24
 ATOL = 1e-5
@@ -62,6 +62,10 @@ def make_params(spec, seed=0, d=D, router_std=None, weight_std=None):
 
     shapes = _mlp_shapes(d, spec)
     return jax.tree_util.tree_map_with_path(init, shapes, is_leaf=lambda s: isinstance(s, tuple))
+
+
+def _mlp_shapes(d, spec):
+    return jax.tree.map(lambda s: s.shape, mlp_param_specs(d, spec), is_leaf=lambda s: hasattr(s, "axes"))
 
 
 def make_x(n, seed=1, d=D):

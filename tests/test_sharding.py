@@ -112,13 +112,13 @@ def test_expert_parallel_runs_experts_locally():
     base = _model("qwen3_moe")
     mesh = sharding.make_mesh("data=2,expert=4")
     params = sharding.shard_params(base.params, base.config, mesh, "ep")
-    with sharding.use(mesh, "ep"):
-        text = str(jax.make_jaxpr(lambda p: M.forward(p, base.config, _ids()))(params))
+    shard = sharding.Sharding.of(mesh, "ep")
+    text = str(jax.make_jaxpr(lambda p: M.forward(p, base.config, _ids(), shard=shard))(params))
     assert "shard_map" in text and "psum" in text
     mesh = sharding.make_mesh("data=2,tensor=4")  # no expert axis: the plain sparse path
     params = sharding.shard_params(base.params, base.config, mesh, "tp")
-    with sharding.use(mesh, "tp"):
-        assert "shard_map" not in str(jax.make_jaxpr(lambda p: M.forward(p, base.config, _ids()))(params))
+    shard = sharding.Sharding.of(mesh, "tp")
+    assert "shard_map" not in str(jax.make_jaxpr(lambda p: M.forward(p, base.config, _ids(), shard=shard))(params))
 
 
 @pytest.mark.parametrize("name", ["llama", "cohere", "gpt_oss"])

@@ -74,13 +74,15 @@ def check_layer(cfg: ModelConfig, i: int, spec: LayerSpec) -> None:
     where = f"layer {i}"
     if spec.residual != "plain":
         raise NotImplementedError(f"{where}: residual {spec.residual!r} (mHC) lowering is a later issue")
-    if getattr(a, "kind", "mha") not in ("mha", "gqa", None) or hasattr(a, "kv_lora_rank"):
-        raise NotImplementedError(f"{where}: MLA lowering is a later issue")
+    if a.kind != "gqa":
+        raise NotImplementedError(f"{where}: {a.kind!r} attention (DeepSeek's latent attention) lowering is a later issue")
+    if spec.engram >= 0:
+        raise NotImplementedError(f"{where}: Engram lowering is a later issue")
     m = spec.mlp
     if m.kind == "moe":
         if m.shared_intermediate_size:
             raise NotImplementedError(f"{where}: MoE with a shared expert: lowering is a later issue")
-        if m.router not in ("topk_softmax", "softmax_topk"):
+        if m.router not in ("topk_softmax", "softmax_topk") or m.route_scale != 1.0:
             raise NotImplementedError(f"{where}: MoE router {m.router!r} is not lowered")
         if m.num_experts > MAX_TOPK_WIDTH:
             raise TTConstraintError(f"{where}: ttnn.topk over {m.num_experts} experts > {MAX_TOPK_WIDTH}")
@@ -100,9 +102,9 @@ def check_layer(cfg: ModelConfig, i: int, spec: LayerSpec) -> None:
 
 def check_config(cfg: ModelConfig) -> None:
     """Raise for anything in the plan that TT cannot run, before any call is emitted."""
-    if not isinstance(cfg, ModelConfig):  # DeepSeek V4's own config: latent (MLA-style) attention, mHC, MoE
-        raise NotImplementedError(f"{type(cfg).__name__} ({getattr(cfg, 'family', '?')}): MLA, mHC and MoE "
-                                  f"lowering is a later issue; only ModelConfig layer plans are lowered")
+    if cfg.mhc is not None or any(s.attention.kind == "mla" for s in cfg.layers):
+        raise NotImplementedError(f"{cfg.family}: mla attention (DeepSeek V4's latent attention), mHC and Engram "
+                                  f"lowering is a later issue")
     D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if D % TILE:
         raise TTConstraintError(f"hidden_size={D} is not a multiple of the {TILE}-wide tile")

@@ -179,7 +179,7 @@ def layer_weights(cfg: ModelConfig, spec: LayerSpec, p: dict) -> dict[str, np.nd
 
 def prepare(cfg: ModelConfig, params: dict, max_seq_len: int) -> dict[str, np.ndarray]:
     """All host tensors of a model, named as the lowered programs name them."""
-    from jaxmodels.model import plan  # the layer -> (kind, rank) map of the param tree
+    from jaxmodels.plan import plan  # the layer -> (kind, rank) map of the param tree
 
     pl = plan(cfg)
     out: dict[str, np.ndarray] = {"embed": _np(params["embed"])}

@@ -15,6 +15,10 @@ class Family:
     names: dict | Callable[[ModelConfig], dict]  # tensor name regex -> (param path, transform), or a
     #                                             function of the config that returns that map
     skip: tuple[str, ...] = ()  # checkpoint entries this family leaves out on purpose (vision, MTP)
+    renames: tuple | None = None  # (regex, replacement) applied to checkpoint names before the map (None: the
+    #                               multimodal-wrapper prefixes)
+    derived: tuple[str, ...] = ()  # parameters not read from the checkpoint (built at import)
+    quantized: bool = False  # FP8/FP4 weights with `.scale` beside them (converters/deepseek.py decodes them)
 
 
 FAMILIES = {
@@ -30,9 +34,8 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", qwen3_moe.config, qwen3_moe.NAMES),
     "gpt_oss": Family("gpt_oss", gpt_oss.config, gpt_oss.NAMES),
     "gpt_oss_original": Family("gpt_oss", gpt_oss.config_original, gpt_oss.original_names),
-    # DeepSeek's names and quantised layouts are read by converters/deepseek.py, not by a name map
-    "deepseek_v4": Family("deepseek_v4", deepseek_v4.config, {}),
-    "deepseek_v41": Family("deepseek_v41", deepseek_v4.config, {}),
+    **{t: Family(t, deepseek_v4.config, deepseek_v4.NAMES, deepseek_v4.SKIP, deepseek_v4.RENAMES, deepseek_v4.DERIVED,
+                 quantized=True) for t in (deepseek_v4.V4, deepseek_v4.V41)},
 }
 
 

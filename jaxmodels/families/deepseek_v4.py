@@ -1,137 +1,79 @@
-"""DeepSeek V4 and V4.1: HF config.json -> `DeepseekConfig`, with each layer's role spelled out.
+"""DeepSeek V4 and V4.1: HF config.json -> `ModelConfig` on the shared layer plan, and the checkpoint name map.
 
-The layer roles (specs/deepseek_v4.md §1.3, §13) decide what a layer computes:
-  V4   every ratio>0 layer compresses its own KV; ratio-4 layers (CSA) run an indexer with its own
-       overlapped compressor, ratio-128 layers (HCA) attend every visible compressed entry.
-  V4.1 only the kv-source layers compress; the other ratio>0 layers reuse the latest source's compressed
-       KV and top-k; index sources score against their own (or the latest) indexer keys, and the layers
-       after the candidate source only rescore inside its candidate blocks.
+Each layer is a `LayerSpec` with attention kind `mla` (its role spelled out in `MLASpec`: specs/deepseek_v4.md
+§1.3, §13), a MoE with DeepSeek's router (`biased_topk`, or `hash` on V4's first layers), mHC residual streams,
+and Engram as a layer extra (V4.1):
+  V4   every ratio>0 layer compresses its own KV; CSA layers (ratio 4) run an indexer with its own overlapped
+       compressor, HCA layers (ratio 128) attend every visible compressed entry.
+  V4.1 only the kv-source layers compress; the other ratio>0 layers reuse the latest source's compressed KV
+       and top-k; index sources score against their own (or the latest) indexer keys, and the layers after the
+       candidate source only rescore inside its candidate blocks.
+
+Checkpoints come in DeepSeek's own layout (`layers.N.attn.*`, `layers.N.ffn.experts.E.w{1,2,3}`, `hc_*`,
+`engram.*`, FP8/FP4 with `.scale` beside the weight; converters/deepseek.py decodes them) or HF's saved layout
+(the same leaves under `model.`, renamed by RENAMES first).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass, field
-from typing import Any
-
-from jaxmodels.config import RopeSpec
+from jaxmodels.config import (AttentionSpec, EngramSpec, LayerSpec, MHCSpec, MLASpec, MLPSpec, ModelConfig,
+                              MTPSpec, RopeSpec)
 
 V4, V41 = "deepseek_v4", "deepseek_v41"
 
+# HF / vLLM spellings -> DeepSeek's own names (applied before the name map)
+RENAMES = ((r"^model\.", ""), (r"^embed_tokens\.", "embed."), (r"^lm_head\.", "head."), (r"^hc_head\.hc_", "hc_head_"),
+           (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."), (r"\.attn\.norm\.weight$", ".attn.kv_norm.weight"),
+           (r"\.e_score_correction_bias$", ".bias"), (r"\.weight_scale_inv$", ".scale"))
+SKIP = (r"vision\..*", r"aligner\..*", r"image_(start|end|newline).*", r".*\.ffn\.gate\.bias_vl", r"mtp\..*")
+DERIVED = ("engram_map",)  # built from the tokenizer, not read from the checkpoint
 
-@dataclass(frozen=True)
-class DSLayer:
-    ratio: int = 0  # compress ratio; 0 = sliding window only
-    compress: bool = False  # runs a compressor and publishes its compressed KV
-    select: str = "none"  # compressed entries attended: none | all (V4 HCA) | indexer (own top-k) | reuse (published)
-    index_keys: str = "none"  # indexer keys: compressor (V4, own overlapped compressor) | latent (V4.1 kv source:
-    #                           wk of the pre-RoPE latent) | shared (V4.1: the latest published keys)
-    candidate_source: bool = False  # publishes candidate blocks (V4.1)
-    candidate_filter: bool = False  # rescores only inside the published candidate blocks (V4.1)
-    engram: int = -1  # index into the engram layers, -1 = none
-    hash_moe: bool = False  # V4: experts picked by token id (tid2eid)
-
-    @property
-    def overlap(self) -> bool:  # V4 CSA: each entry pools the previous group too, through 2x-wide projections
-        return self.select == "indexer" and self.index_keys == "compressor"
-
-
-@dataclass(frozen=True)
-class DeepseekConfig:
-    family: str  # deepseek_v4 | deepseek_v41
-    vocab_size: int
-    hidden_size: int
-    num_heads: int
-    head_dim: int  # = the shared K=V latent width
-    rope_dim: int  # RoPE on the last rope_dim channels (interleaved pairs)
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    window: int
-    layers: tuple[DSLayer, ...]
-    index_n_heads: int = 0
-    index_head_dim: int = 0
-    index_topk: int = 0
-    candidate_topk_blocks: int = 0
-    candidate_block_size: int = 0
-    rope_theta: float = 10000.0
-    compress_rope: RopeSpec = field(default_factory=RopeSpec)  # ratio>0 layers: theta 160000 + YaRN, no mscale
-    norm_eps: float = 1e-6
-    num_experts: int = 0
-    top_k: int = 0
-    moe_intermediate_size: int = 0
-    score_func: str = "sqrtsoftplus"
-    route_scale: float = 1.0
-    norm_topk_prob: bool = True
-    swiglu_limit: float = 10.0
-    hc_mult: int = 4
-    hc_iters: int = 20
-    hc_eps: float = 1e-6
-    engram_max_ngram: int = 0
-    engram_vocab_size: int = 0
-    engram_n_heads: int = 0
-    engram_head_dim: int = 0
-    engram_layer_ids: tuple[int, ...] = ()
-    engram_compressed_vocab: int = 0  # classes of the normalised vocabulary (the hash multipliers depend on it)
-    engram_pad_token: int = 2  # a raw token id; its compressed class pads the n-grams
-    engram_rows: tuple[int, ...] = ()
-    mtp_layers: int = 0  # V4: classic MTP blocks; V4.1: DSpark blocks
-    mtp_num_experts: int = 0
-    mtp_top_k: int = 0
-    dspark_block_size: int = 0
-    dspark_noise_token: int = 0
-    dspark_target_layers: tuple[int, ...] = ()
-    dspark_markov_rank: int = 0
-    quant_block: int = 32  # FP8 weight/activation block (V4.1: 32, V4: 128)
-    numerics: str = "plain"  # plain | reference (the reference's simulated FP8/FP4 quantisation)
-    max_position_embeddings: int = 1 << 20
-    bos_token_id: int | None = 0
-    eos_token_ids: tuple[int, ...] = (1,)
-    pad_token_id: int | None = None
-    tie_embeddings: bool = False
-
-    def __post_init__(self):
-        if self.numerics not in ("plain", "reference"):
-            raise ValueError(f"numerics must be 'plain' or 'reference', got {self.numerics!r}")
-        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
-            raise ValueError(f"rope_dim={self.rope_dim} must be even and <= head_dim={self.head_dim}")
-        if (self.num_heads * self.head_dim) % self.o_groups:
-            raise ValueError(f"heads*head_dim is not divisible by o_groups={self.o_groups}")
-        if any(L.candidate_filter for L in self.layers) and (
-                self.candidate_topk_blocks * self.candidate_block_size - (self.candidate_block_size - 1)
-                < self.index_topk):
-            # below this, the reference may attend visible entries outside the candidates; we keep top-k inside
-            raise ValueError("candidate_topk_blocks * candidate_block_size - (block - 1) must be >= index_topk")
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def v41(self) -> bool:
-        return self.family == V41
-
-    @property
-    def main_rope(self) -> RopeSpec:
-        return RopeSpec(theta=self.rope_theta, interleaved=True)
-
-    def rope_for(self, layer: DSLayer) -> RopeSpec:
-        return self.compress_rope if layer.ratio else self.main_rope
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DeepseekConfig":
-        d = dict(d)
-        d["layers"] = tuple(DSLayer(**x) for x in d["layers"])
-        d["compress_rope"] = RopeSpec(**d["compress_rope"])
-        for k in ("eos_token_ids", "engram_layer_ids", "engram_rows", "dspark_target_layers"):
-            d[k] = tuple(d.get(k) or ())
-        return cls(**d)
+# one layer's tensors (relative to `layers.N.` or `mtp.N.`) -> (param path, transform)
+LAYER_NAMES = {
+    r"(?P<x>attn_norm)\.weight": ("{x}", "copy"),
+    r"ffn_norm\.weight": ("mlp_norm", "copy"),
+    r"hc_attn_(?P<x>fn|base|scale)": ("hc_attn/{x}", "copy"),
+    r"hc_ffn_(?P<x>fn|base|scale)": ("hc_mlp/{x}", "copy"),
+    r"attn\.(?P<x>wq_a|wq_b|wkv|wo_b)\.weight": ("attn/{x}", "T"),
+    r"attn\.(?P<x>q_norm|kv_norm)\.weight": ("attn/{x}", "copy"),
+    r"attn\.wo_a\.weight": ("attn/wo_a", "wo_a"),
+    r"attn\.attn_sink": ("attn/sinks", "copy"),
+    r"attn\.(?P<c>compressor|indexer\.compressor)\.(?P<x>wkv|wgate)\.weight": ("attn/{c}/{x}", "T"),
+    r"attn\.(?P<c>compressor|indexer\.compressor)\.(?P<x>norm)\.weight": ("attn/{c}/{x}", "copy"),
+    r"attn\.(?P<c>compressor|indexer\.compressor)\.ape": ("attn/{c}/ape", "copy"),
+    r"attn\.indexer\.(?P<x>wq_b|weights_proj|wk)\.weight": ("attn/indexer/{x}", "T"),
+    r"attn\.indexer\.k_norm\.weight": ("attn/indexer/k_norm", "copy"),
+    r"ffn\.gate\.weight": ("mlp/router", "T"),
+    r"ffn\.gate\.bias": ("mlp/selection_bias", "copy"),
+    r"ffn\.gate\.tid2eid": ("mlp/tid2eid", "copy"),
+    r"ffn\.experts\.{e}\.w1\.weight": ("mlp/w_gate", "T"),
+    r"ffn\.experts\.{e}\.w3\.weight": ("mlp/w_up", "T"),
+    r"ffn\.experts\.{e}\.w2\.weight": ("mlp/w_down", "T"),
+    r"ffn\.shared_experts\.w1\.weight": ("mlp/shared/w_gate", "T"),
+    r"ffn\.shared_experts\.w3\.weight": ("mlp/shared/w_up", "T"),
+    r"ffn\.shared_experts\.w2\.weight": ("mlp/shared/w_down", "T"),
+    r"engram\.embed\.weight": ("engram/table", "copy"),
+    r"engram\.wkv\.weight": ("engram/wkv", "T"),
+    r"engram\.(?P<x>q_weight|k_weight)": ("engram/{x}", "copy"),
+}
+NAMES = {
+    r"embed\.weight": ("embed", "copy"),
+    r"head\.weight": ("lm_head", "T"),
+    r"norm\.weight": ("final_norm", "copy"),
+    r"hc_head_(?P<x>fn|base|scale)": ("hc_head/{x}", "copy"),
+    **{r"layers\.{i}\." + k: v for k, v in LAYER_NAMES.items()},
+}
+# the MTP blocks (params["mtp"]): layer-style tensors plus their own; mtp.N.embed/head are the backbone's
+MTP_NAMES = {
+    **{r"mtp\.{i}\." + k: v for k, v in LAYER_NAMES.items()},
+    r"mtp\.{i}\.main_proj\.weight": ("main_proj", "T"),  # V4.1 DSpark stage 0
+    r"mtp\.{i}\.(?P<x>main_norm|norm|enorm|hnorm)\.weight": ("{x}", "copy"),
+    r"mtp\.{i}\.markov_head\.embed\.weight": ("markov_head/embed", "copy"),  # [V, R], looked up by id
+    r"mtp\.{i}\.markov_head\.head\.weight": ("markov_head/head", "T"),
+    r"mtp\.{i}\.confidence_head\.proj\.weight": ("confidence_head/proj", "T"),
+    r"mtp\.{i}\.(?P<x>e_proj|h_proj)\.weight": ("{x}", "T"),  # V4 classic MTP
+    r"mtp\.{i}\.hc_head_(?P<x>fn|base|scale)": ("hc_head/{x}", "copy"),
+}
+MTP_SKIP = (r"mtp\.\d+\.(embed|embed_tokens|head|lm_head)\.weight", r"mtp\.\d+\.ffn\.gate\.bias_vl")
 
 
 def _yarn(t: dict, theta: float) -> RopeSpec:
@@ -165,73 +107,94 @@ def _hash_layers(t: dict, n: int) -> int:
     return int(t.get("num_hash_layers", 3))
 
 
-def config(hf: dict) -> DeepseekConfig:
-    """HF config.json (V4 flat, or V4.1 composite with `text_config`) -> DeepseekConfig."""
-    mt = hf.get("model_type")
+def _roles_v41(t: dict, n: int) -> list[dict]:
+    ratios = [int(r) for r in t["compress_ratios"]][:n]
+    kv_src = set(t.get("kv_source_layer_ids") or ())
+    idx_src = set(t.get("index_source_layer_ids") or ())
+    cand = int(t.get("candidate_source_layer_id", -1))
+    out = []
+    for i, r in enumerate(ratios):
+        if r and not kv_src & set(range(i + 1)):
+            raise ValueError(f"layer {i} has compress ratio {r} but no kv source at or before it")
+        own, indexer = i in kv_src, i in idx_src
+        out.append(dict(ratio=r, compress=own, select="none" if not r else ("indexer" if indexer else "reuse"),
+                        index_keys="latent" if own and indexer else ("shared" if indexer else "none"),
+                        candidate_source=i == cand, candidate_filter=indexer and 0 <= cand < i))
+    return out
+
+
+def _roles_v4(t: dict, n: int) -> list[dict]:
+    types = t.get("layer_types") or [None] * n
+    out = []
+    for r, kind in zip(_ratios_v4(t, n), types):
+        # CSA (overlapped compressor + indexer) by its layer type when named, else by the reference's ratio 4
+        csa = kind == "compressed_sparse_attention" if kind else r == 4
+        out.append(dict(ratio=r, compress=r > 0, select="none" if not r else ("indexer" if csa else "all"),
+                        index_keys="compressor" if csa else "none"))
+    return out
+
+
+def config(hf: dict) -> ModelConfig:
+    """HF config.json (V4 flat, or V4.1 composite with `text_config`) -> ModelConfig."""
     t = dict(hf.get("text_config") or hf)
-    family = V41 if mt == V41 or t.get("model_type") == V41 else V4
+    v41 = hf.get("model_type") == V41 or t.get("model_type") == V41
     n = t["num_hidden_layers"]
-    n_mtp = int(t.get("num_nextn_predict_layers", 0))
     d = t.get("head_dim", 512)
     rope_dim = t.get("qk_rope_head_dim") or int(round(d * t.get("partial_rotary_factor", 64 / 512)))
+    window = t.get("sliding_window", 128)
+    main_rope = RopeSpec(theta=float(t.get("rope_theta", 10000.0)), interleaved=True)
+    compress_rope = _yarn(t, t.get("compress_rope_theta", 160000.0))
+    mla = dict(q_lora_rank=t["q_lora_rank"], o_groups=t.get("o_groups", 8), o_lora_rank=t.get("o_lora_rank", 1024),
+               rope_dim=rope_dim, variant="v4.1" if v41 else "v4", index_heads=t.get("index_n_heads", 0),
+               index_head_dim=t.get("index_head_dim", 0), index_topk=t.get("index_topk", 0),
+               candidate_blocks=t.get("candidate_topk_blocks", 0), candidate_block_size=t.get("candidate_block_size", 0))
+    k, E = t.get("num_experts_per_tok", 0), t.get("n_routed_experts", t.get("num_local_experts", 0))
+    norm_topk = bool(t.get("norm_topk_prob", True))
+    moe = dict(kind="moe", activation="silu_limit", intermediate_size=t.get("moe_intermediate_size", 0),
+               clamp_limit=float(t.get("swiglu_limit", 10.0)), activation_fp32=True,
+               score_func=t.get("scoring_func", "sqrtsoftplus"), route_scale=float(t.get("routed_scaling_factor", 1.0)),
+               shared_intermediate_size=t.get("moe_intermediate_size", 0))
+    mhc = MHCSpec(copies=t.get("hc_mult", 4), sinkhorn_iters=t.get("hc_sinkhorn_iters", 20),
+                  eps=float(t.get("hc_eps", 1e-6)), delayed=v41)
+
+    def mlp(experts, top_k, hashed=False):  # V4.1 renormalises only for k > 1; V4 (HF) whatever k is
+        return MLPSpec(**moe, num_experts=experts, top_k=top_k, router="hash" if hashed else "biased_topk",
+                       selection_bias=not hashed, renormalize=norm_topk and (top_k > 1 or not v41))
+
+    def layer(role, mlp_spec, engram=-1):
+        attn = AttentionSpec(kind="mla", window=window, rope=compress_rope if role["ratio"] else main_rope,
+                             sinks=True, mla=MLASpec(**mla, **role))
+        return LayerSpec(attention=attn, mlp=mlp_spec, norm="rms_fp32", mhc=mhc, engram=engram)
+
     engram_ids = tuple(t.get("engram_layer_ids") or ())
-    layers = []
-    if family == V41:
-        ratios = [int(r) for r in t["compress_ratios"]][:n]
-        kv_src = set(t.get("kv_source_layer_ids") or ())
-        idx_src = set(t.get("index_source_layer_ids") or ())
-        cand = int(t.get("candidate_source_layer_id", -1))
-        for i, r in enumerate(ratios):
-            if r and not kv_src & set(range(i + 1)):
-                raise ValueError(f"layer {i} has compress ratio {r} but no kv source at or before it")
-            own = i in kv_src
-            indexer = i in idx_src
-            layers.append(DSLayer(
-                ratio=r, compress=own,
-                select="none" if not r else ("indexer" if indexer else "reuse"),
-                index_keys="latent" if own and indexer else ("shared" if indexer else "none"),
-                candidate_source=i == cand, candidate_filter=indexer and 0 <= cand < i,
-                engram=engram_ids.index(i) if i in engram_ids else -1))
-    else:
-        n_hash = _hash_layers(t, n)
-        types = t.get("layer_types") or [None] * n
-        for i, (r, kind) in enumerate(zip(_ratios_v4(t, n), types)):
-            # CSA (overlapped compressor + indexer) by its layer type when named, else by the reference's ratio 4
-            csa = kind == "compressed_sparse_attention" if kind else r == 4
-            layers.append(DSLayer(ratio=r, compress=r > 0, select="none" if not r else ("indexer" if csa else "all"),
-                                  index_keys="compressor" if csa else "none", hash_moe=i < n_hash))
+    n_hash = 0 if v41 else _hash_layers(t, n)
+    layers = tuple(layer(role, mlp(E, k, i < n_hash), engram_ids.index(i) if i in engram_ids else -1)
+                   for i, role in enumerate((_roles_v41 if v41 else _roles_v4)(t, n)))
+    engram = None
+    if engram_ids:
+        engram = EngramSpec(layer_ids=engram_ids, max_ngram=t.get("engram_max_ngram_size", 0),
+                            vocab_size=t.get("engram_vocab_size", 0), n_heads=t.get("engram_n_heads", 0),
+                            head_dim=t.get("engram_head_dim", 0), compressed_vocab=t.get("engram_compressed_vocab_size", 0),
+                            pad_token=int(t.get("engram_pad_token_id", t.get("engram_pad_id", 2))),
+                            rows=tuple(t.get("engram_num_embeddings") or ()))
+    n_mtp, mtp = int(t.get("num_nextn_predict_layers", 0)), None
+    if n_mtp and (not v41 or t.get("dspark_block_size", 0)):  # V4.1's DSpark is built only with a block size
+        role = dict(ratio=0, compress=False, select="none", index_keys="none")
+        e_mtp = (t.get("dspark_n_routed_experts", 0) if v41 else 0) or E
+        k_mtp = (t.get("dspark_num_experts_per_tok", 0) if v41 else 0) or k
+        mtp = MTPSpec(kind="dspark" if v41 else "classic", layers=n_mtp, layer=layer(role, mlp(e_mtp, k_mtp)),
+                      block_size=t.get("dspark_block_size", 0) if v41 else 0,
+                      noise_token=t.get("dspark_noise_token_id", 0) if v41 else 0,
+                      target_layers=tuple(t.get("dspark_target_layer_ids") or ()) if v41 else (),
+                      markov_rank=t.get("dspark_markov_rank", 0) if v41 else 0)
     q = hf.get("quantization_config") or t.get("quantization_config") or {}
-    block = (q.get("weight_block_size") or [128 if family == V4 else 32])[0]
     eos = t.get("eos_token_id", hf.get("eos_token_id", 1))
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    dspark = family == V41
-    return DeepseekConfig(
-        family=family, vocab_size=t.get("vocab_size", 129280), hidden_size=t["hidden_size"],
-        num_heads=t["num_attention_heads"], head_dim=d, rope_dim=rope_dim, q_lora_rank=t["q_lora_rank"],
-        o_groups=t.get("o_groups", 8), o_lora_rank=t.get("o_lora_rank", 1024), window=t.get("sliding_window", 128),
-        layers=tuple(layers), index_n_heads=t.get("index_n_heads", 0), index_head_dim=t.get("index_head_dim", 0),
-        index_topk=t.get("index_topk", 0), candidate_topk_blocks=t.get("candidate_topk_blocks", 0),
-        candidate_block_size=t.get("candidate_block_size", 0), rope_theta=float(t.get("rope_theta", 10000.0)),
-        compress_rope=_yarn(t, t.get("compress_rope_theta", 160000.0)),
-        norm_eps=float(t.get("rms_norm_eps", 1e-20 if family == V41 else 1e-6)),
-        num_experts=t.get("n_routed_experts", t.get("num_local_experts", 0)), top_k=t.get("num_experts_per_tok", 0),
-        moe_intermediate_size=t.get("moe_intermediate_size", 0), score_func=t.get("scoring_func", "sqrtsoftplus"),
-        route_scale=float(t.get("routed_scaling_factor", 1.0)), norm_topk_prob=bool(t.get("norm_topk_prob", True)),
-        swiglu_limit=float(t.get("swiglu_limit", 10.0)), hc_mult=t.get("hc_mult", 4),
-        hc_iters=t.get("hc_sinkhorn_iters", 20), hc_eps=float(t.get("hc_eps", 1e-6)),
-        engram_max_ngram=t.get("engram_max_ngram_size", 0) if engram_ids else 0,
-        engram_vocab_size=t.get("engram_vocab_size", 0), engram_n_heads=t.get("engram_n_heads", 0),
-        engram_head_dim=t.get("engram_head_dim", 0), engram_layer_ids=engram_ids,
-        engram_compressed_vocab=t.get("engram_compressed_vocab_size", 0),
-        engram_pad_token=int(t.get("engram_pad_token_id", t.get("engram_pad_id", 2))),
-        engram_rows=tuple(t.get("engram_num_embeddings") or ()),
-        mtp_layers=n_mtp, mtp_num_experts=t.get("dspark_n_routed_experts", 0) if dspark else 0,
-        mtp_top_k=t.get("dspark_num_experts_per_tok", 0) if dspark else 0,
-        dspark_block_size=t.get("dspark_block_size", 0) if dspark else 0,
-        dspark_noise_token=t.get("dspark_noise_token_id", 0) if dspark else 0,
-        dspark_target_layers=tuple(t.get("dspark_target_layer_ids") or ()) if dspark else (),
-        dspark_markov_rank=t.get("dspark_markov_rank", 0) if dspark else 0,
-        quant_block=int(block), max_position_embeddings=t.get("max_position_embeddings", 1 << 20),
+    return ModelConfig(
+        family=V41 if v41 else V4, vocab_size=t.get("vocab_size", 129280), hidden_size=t["hidden_size"],
+        num_heads=t["num_attention_heads"], num_kv_heads=1, head_dim=d, layers=layers, norm="rms_fp32",
+        norm_eps=float(t.get("rms_norm_eps", 1e-20 if v41 else 1e-6)),
+        max_position_embeddings=t.get("max_position_embeddings", 1 << 20),
         bos_token_id=t.get("bos_token_id", hf.get("bos_token_id", 0)), eos_token_ids=eos,
         pad_token_id=t.get("pad_token_id", hf.get("pad_token_id")),
-    )
+        quant_block=int((q.get("weight_block_size") or [32 if v41 else 128])[0]), engram=engram, mtp=mtp)

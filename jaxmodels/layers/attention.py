@@ -1,6 +1,10 @@
-"""Grouped-query attention core, with causal / sliding-window masks from absolute positions."""
+"""Grouped-query attention: projections, qk-norm, RoPE, causal / sliding-window masks from absolute positions,
+sinks and softcap, over the cache interface."""
 import jax
 import jax.numpy as jnp
+
+from jaxmodels.layers import rope
+from jaxmodels.layers.norms import norm
 
 F32 = jnp.float32
 
@@ -52,3 +56,42 @@ def causal(q, k, v, *, scale: float, window: int | None = None):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                         local_window_size=None if window is None else (window - 1, 0),
                                         implementation="cudnn" if fused else None)
+
+
+def gqa(cfg, a, p, h, ctx, cache):
+    """One layer's grouped-query attention: h [B, T, D] (normed) -> [B, T, D].
+
+    ctx: positions [B, T], mode (full | prefill | decode), lengths (prefill), rope tables. cache: this layer's
+    `jaxmodels.cache.LayerCache` with slot caches "k" and "v" (None in full mode). Prefill attends within the
+    chunk and writes it; decode writes its token, then attends every slot of the (ring) cache.
+    """
+    q, k, v = (jnp.tensordot(h, p[n], axes=1) for n in ("wq", "wk", "wv"))
+    if a.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if a.qk_norm:
+        q = norm(q, p["q_norm"], cfg.norm_eps, a.qk_norm)
+        k = norm(k, p["k_norm"], cfg.norm_eps, a.qk_norm)
+    if a.rope is not None:
+        cos, sin = ctx["rope"][(a.rope, cfg.head_dim)]
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        q, k = rope.apply(q, cos, sin, a.rope.interleaved), rope.apply(k, cos, sin, a.rope.interleaved)
+    scale = a.scale if a.scale is not None else cfg.head_dim ** -0.5
+    pos = ctx["positions"]
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, d]: the cache layout
+    if ctx["mode"] == "decode":
+        cache.write_token("k", k[:, :, 0], pos[:, 0])
+        cache.write_token("v", v[:, :, 0], pos[:, 0])
+        k_pos = cache.positions("k", pos[:, -1])
+        allowed = mask(pos, k_pos, a.window, k_valid=k_pos >= 0)
+        o = attend(q, cache.read("k").astype(q.dtype), cache.read("v").astype(q.dtype), allowed, scale=scale,
+                   softcap=a.softcap, sinks=p.get("sinks"))
+    else:
+        if ctx["mode"] == "prefill":
+            cache.write("k", k, ctx["lengths"])
+            cache.write("v", v, ctx["lengths"])
+        if a.softcap is None and not a.sinks:  # the whole sequence: the library's fused path
+            o = causal(q, k, v, scale=scale, window=a.window)
+        else:
+            o = attend(q, k, v, mask(pos, pos, a.window), scale=scale, softcap=a.softcap, sinks=p.get("sinks"))
+    out = jnp.einsum("bthd,hdo->bto", o, p["wo"])
+    return out + p["bo"] if a.out_bias else out

@@ -275,16 +275,11 @@ def ngram_hashes(compressed_ids, layout: EngramLayout, pad_id, dead_mask=None, h
     return hash_window(ngram_windows(compressed_ids, layout.max_ngram, dead_mask, history), pad_id, layout)
 
 
-columns = hash_window  # name used by jaxmodels/deepseek.py
-
-
 # --------------------------------------------------------------------------------------- gate + inject
 def _gather_rows(p, cols, dtype):
     table = p["table"]
     if "table_scale" in p:  # kept FP8: dequantise only the gathered rows (REF41 ParallelEngramEmbedding)
-        rows = qdq._as_e4m3(table)[cols].astype(F32)
-        s = qdq.e8m0_to_f32(qdq._as_u8(p["table_scale"])[cols])  # bytes, never a numeric cast
-        rows = (rows.reshape(*rows.shape[:-1], s.shape[-1], -1) * s[..., None]).reshape(rows.shape)
+        rows = qdq.dequant_fp8(jnp.asarray(table)[cols], jnp.asarray(p["table_scale"])[cols], (1, 32))
         return rows.astype(jnp.bfloat16).astype(dtype)  # the reference's rows are bf16
     return table[cols].astype(dtype)
 
@@ -319,8 +314,3 @@ def engram_inject(p, X, cols, token_mask=None, eps: float = 1e-20, *, act_quant:
     if token_mask is not None:
         gate = jnp.where(token_mask[..., None], gate, 0.0)
     return (h + gate[..., None] * val[:, :, None, :]).astype(dt)
-
-
-def inject(p, X, cols, eps: float = 1e-20, token_mask=None, *, act_quant: bool = False):
-    """`engram_inject` with the argument order jaxmodels/deepseek.py calls it with (eps before token_mask)."""
-    return engram_inject(p, X, cols, token_mask, eps, act_quant=act_quant)

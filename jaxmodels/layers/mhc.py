@@ -49,3 +49,18 @@ def expand(y, R, post, comb):
     """out_k = post_k * y + sum_j comb[j, k] R_j, computed in fp32 and cast to R's dtype."""
     mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(F32), R.astype(F32))
     return (post.astype(F32)[..., None] * y.astype(F32)[..., None, :] + mixed).astype(R.dtype)
+
+
+def block(X, pre, p_attn, p_mlp, attn, mlp, spec, norm_eps: float):
+    """One layer on the streams X [..., n, D] (MHCSpec `spec`); attn(h) and mlp(h) are its sublayers on the
+    collapsed input [..., D]. Returns (X, the pre-mix of its FFN site).
+
+    Delayed (V4.1): the attention input collapses with `pre` (the previous layer's FFN pre-mix; one-hot for the
+    first layer), the FFN input with this layer's attention pre-mix. Otherwise (V4) each site its own.
+    """
+    hc = dict(norm_eps=norm_eps, hc_eps=spec.eps, iters=spec.sinkhorn_iters)
+    pA, qA, cA = mixes(X, p_attn, **hc)
+    X = expand(attn(collapse(X, pre if spec.delayed else pA)), X, qA, cA)
+    pF, qF, cF = mixes(X, p_mlp, **hc)
+    X = expand(mlp(collapse(X, pA if spec.delayed else pF)), X, qF, cF)
+    return X, pF

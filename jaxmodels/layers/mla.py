@@ -1,30 +1,75 @@
-"""DeepSeek V4's sparse attention pieces: shared K=V latent, interleaved RoPE on the tail channels,
-the compressor (gated pooling of r tokens into one entry), the lightning indexer (top-k over the
-compressed entries), candidate blocks (V4.1) and attention over window + chosen entries with a sink.
+"""DeepSeek V4's attention (specs/deepseek_v4.md §5, §13) as one pure function over the cache interface.
 
-Selections are kept as boolean masks over the compressed entries rather than index lists: the same
-set of entries, and the attention stays dense matmuls (specs/deepseek_v4.md §5).
+Low-rank queries, one shared K=V latent head with interleaved RoPE on its last rope_dim channels, a sliding
+window, and on compressed layers (ratio r > 0) entries that pool r tokens each: built by the layer's own
+compressor (gated pooling; V4 CSA overlaps the previous group), selected by a lightning indexer's top-k (or
+all, or the top-k an earlier indexer published), V4.1's candidate blocks restricting later indexers. Output:
+attention over window + chosen entries with a per-head sink, inverse RoPE, grouped low-rank wo_a, then wo_b.
+
+What a layer publishes for later ones (the latest compressed entries, indexer keys, top-k, candidate blocks)
+lives in `state`, a dict the executor carries across layers. Selections are boolean masks over the entries:
+the same set, with dense matmuls. `reference` numerics (ctx["act_block"] set) add the reference's simulated
+quantisation: FP8 activations before FP8 linears, FP8 window KV, FP4 compressed KV and indexer q/k.
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxmodels.layers import qdq, rope
+from jaxmodels.layers.norms import norm
 
 F32 = jnp.float32
 NEG = -jnp.inf
 
 
-def rope_tail(x, cos, sin, inverse: bool = False):
-    """Rotate the last 2*cos.shape[-1] channels of x as interleaved pairs (2i, 2i+1), in fp32.
-
-    cos/sin [..., rd/2] broadcast against x[..., rd/2]; `inverse` rotates by -angle (undoes it).
-    """
-    rd = 2 * cos.shape[-1]
-    head, tail = x[..., :-rd], x[..., -rd:].astype(F32)
-    s = -sin if inverse else sin
-    xe, xo = tail[..., 0::2], tail[..., 1::2]
-    rot = jnp.stack([xe * cos - xo * s, xo * cos + xe * s], axis=-1).reshape(tail.shape)
-    return jnp.concatenate([head, rot.astype(x.dtype)], axis=-1)
+def _rms(cfg, x, w):
+    return norm(x, w, cfg.norm_eps, "rms_fp32")
 
 
+def linear(ctx, x, w, fp8: bool = True):
+    """FP8 linears take the reference's activation QDQ in reference numerics; bf16 ones (weights_proj, wk) do not."""
+    return qdq.linear(x, w, ctx["act_block"] if fp8 else None)
+
+
+# ------------------------------------------------------------------------------------- quantisation (reference)
+def kv_qdq(m, ctx, kv):
+    """The window KV is stored FP8: V4.1 all channels per 32; V4 the non-RoPE ones per 64."""
+    if not ctx["act_block"]:
+        return kv
+    if m.variant == "v4.1":
+        return qdq.act_quant_fp8(kv, 32)
+    rd = m.rope_dim
+    return jnp.concatenate([qdq.act_quant_fp8(kv[..., :-rd], 64), kv[..., -rd:]], axis=-1)
+
+
+def _latent_qdq(m, ctx, x):
+    """Compressed KV is FP4 with E4M3 scales per 16 (V4.1); V4 keeps it FP8 on the non-RoPE part."""
+    if not ctx["act_block"]:
+        return x
+    return qdq.fp4_act_quant(x, 16, "e4m3") if m.variant == "v4.1" else kv_qdq(m, ctx, x)
+
+
+def _index_qdq(m, ctx, x):
+    """Indexer q/k are FP4 with E8M0 scales per 32 (V4 rotates them by a Hadamard first; being orthogonal and
+    applied to both, the rotation changes nothing without the quantisation)."""
+    if not ctx["act_block"]:
+        return x
+    if m.variant == "v4":
+        x = jnp.einsum("...i,ij->...j", x.astype(F32), jnp.asarray(_hadamard(x.shape[-1]))).astype(x.dtype)
+    return qdq.fp4_act_quant(x, 32, "e8m0")
+
+
+def _hadamard(n: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix of order n (a power of two), scaled by n^-0.5 (orthogonal)."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    if h.shape[0] != n:
+        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------- math pieces
 def pool(kv, gate):
     """Gated pooling over the slot axis -2: kv, gate [..., slots, c] -> [..., c]; softmax over slots in fp32."""
     w = jax.nn.softmax(gate.astype(F32), axis=-2)
@@ -84,11 +129,11 @@ def candidate_blocks(scores, vis, n_blocks: int, block: int):
     return jnp.repeat(keep, block, axis=-1)[..., :N]
 
 
-def attend(q, kv_win, allow_win, kv_cmp, allow_cmp, sink, scale: float):
+def attend(q, kv_win, allow_win, kv_cmp, allow_cmp, sinks, scale: float):
     """Softmax over the window keys, the allowed compressed entries and a per-head sink logit.
 
     q [B, T, H, d]; kv_win [B, W, d] with allow_win [B, T, W]; kv_cmp [B, N, d] with allow_cmp [B, T, N]
-    (or None); sink [H] (unscaled, in the denominator only). K = V. A row with nothing allowed gives 0.
+    (or None); sinks [H] (unscaled, in the denominator only). K = V. A row with nothing allowed gives 0.
     """
     logits = [jnp.einsum("bthd,bsd->bhts", q, kv_win, preferred_element_type=F32) * scale]  # fp32 logits
     allow = [allow_win]
@@ -98,8 +143,172 @@ def attend(q, kv_win, allow_win, kv_cmp, allow_cmp, sink, scale: float):
         allow.append(allow_cmp)
         values.append(kv_cmp)
     z = jnp.where(jnp.concatenate(allow, -1)[:, None], jnp.concatenate(logits, -1), NEG)
-    sinks = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (*z.shape[:-1], 1))
-    z = jnp.concatenate([z, sinks], axis=-1)
-    p = jax.nn.softmax(z, axis=-1)[..., :-1]
+    sk = jnp.broadcast_to(sinks.astype(F32)[None, :, None, None], (*z.shape[:-1], 1))
+    p = jax.nn.softmax(jnp.concatenate([z, sk], axis=-1), axis=-1)[..., :-1]
     v = jnp.concatenate(values, axis=1)
     return jnp.einsum("bhts,bsd->bthd", p.astype(v.dtype), v)
+
+
+# ------------------------------------------------------------------------------------------ projections
+def project_q(cfg, m, p, x, ctx, cos, sin):
+    """(q [B, T, H, d] RoPE'd, qr [B, T, Dq] the normed low-rank query the indexer reads)."""
+    B, T, _ = x.shape
+    qr = _rms(cfg, linear(ctx, x, p["wq_a"]), p["q_norm"])
+    q = linear(ctx, qr, p["wq_b"]).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    if m.variant == "v4":  # an unweighted per-head RMS after wq_b
+        q = q * jax.lax.rsqrt(jnp.mean(q.astype(F32) ** 2, axis=-1, keepdims=True) + cfg.norm_eps).astype(q.dtype)
+    return rope.apply(q, cos[:, :, None], sin[:, :, None], True), qr
+
+
+def project_kv(cfg, m, p, x, ctx, cos, sin):
+    """The window KV a layer writes for inputs x: RoPE'd kv_norm(wkv(x)), FP8-QDQ'd in reference numerics."""
+    return kv_qdq(m, ctx, rope.apply(_rms(cfg, linear(ctx, x, p["wkv"]), p["kv_norm"]), cos, sin, True))
+
+
+def output(cfg, m, p, o, ctx, cos, sin, dtype):
+    """Inverse RoPE of the attention output [B, T, H, d], grouped low-rank wo_a, then wo_b."""
+    B, T = o.shape[:2]
+    o = rope.apply(o, cos[:, :, None], sin[:, :, None], True, inverse=True).astype(dtype)
+    u = jnp.einsum("btgi,gir->btgr", o.reshape(B, T, m.o_groups, -1), p["wo_a"].astype(o.dtype))
+    return linear(ctx, u.reshape(B, T, -1), p["wo_b"])
+
+
+# ------------------------------------------------------------------------------------------- attention
+def attention(cfg, spec, p, x, ctx, cache, state):
+    """One layer's attention: x [B, T, D] (normed) -> ([B, T, D], state).
+
+    ctx: positions [B, T], mode (full | prefill | decode), lengths (prefill), rope tables, act_block.
+    cache: this layer's `jaxmodels.cache.LayerCache` (None in full mode); state: what earlier layers published.
+    """
+    a, m = spec.attention, spec.attention.mla
+    state = dict(state)
+    pos, mode, W = ctx["positions"], ctx["mode"], a.window
+    cos, sin = ctx["rope"][(a.rope, m.rope_dim)]
+    q, qr = project_q(cfg, m, p, x, ctx, cos, sin)
+    kv = project_kv(cfg, m, p, x, ctx, cos, sin)
+    if mode == "decode":
+        p0 = pos[:, 0]
+        cache.write_token("kv", kv[:, None, 0], p0)
+        kv_win, wpos = cache.read("kv")[:, 0], cache.positions("kv", p0)
+        allow_win = ((wpos >= 0) & (wpos > p0[:, None] - W))[:, None, :]
+    else:
+        if mode == "prefill":
+            cache.write("kv", kv[:, None], ctx["lengths"])
+        kv_win = kv
+        qp, kp = pos[:, :, None], pos[:, None, :]
+        allow_win = (kp <= qp) & (kp > qp - W)
+    kv_cmp = allow_cmp = None
+    if m.ratio:
+        if m.compress:
+            state["kv"], state["latent"] = _compressed(cfg, m, a.rope, p["compressor"], x, ctx, cache)
+        kv_cmp = state["kv"]
+        vis = visible(pos, kv_cmp.shape[1], m.ratio)
+        if m.select == "all":
+            allow_cmp = vis
+        elif m.select == "indexer":
+            allow_cmp = state["topk"] = _indexer(cfg, m, a.rope, p["indexer"], x, qr, ctx, cache, state, vis)
+        else:  # reuse the latest top-k
+            allow_cmp = state["topk"]
+        state.pop("latent", None)  # read only by this layer's own indexer
+    o = attend(q, kv_win, allow_win, kv_cmp, allow_cmp, p["sinks"], cfg.head_dim ** -0.5)
+    return output(cfg, m, p, o, ctx, cos, sin, x.dtype), state
+
+
+# --------------------------------------------------------------------------------------------- compressor
+def _project(cp, x, positions, ratio):
+    """Compressor projections (kv, gate) [B, T, c] with V4's in-group position bias; fp32 when ratio > 1."""
+    xin = x.astype(F32) if ratio > 1 else x
+    a = jnp.einsum("...i,io->...o", xin, cp["wkv"].astype(xin.dtype))
+    g = jnp.einsum("...i,io->...o", xin, cp["wgate"].astype(xin.dtype)) if "wgate" in cp else jnp.zeros_like(a)
+    if "ape" in cp:
+        g = g + cp["ape"].astype(g.dtype)[positions % ratio]
+    return a, g
+
+
+def _finish(cfg, cp, pooled, j, ratio, rope_spec, rope_dim, quant):
+    """Pooled [B, N, c] -> normed latent (pre-RoPE), and the RoPE'd, quantised entry of position j*r."""
+    latent = _rms(cfg, pooled, cp["norm"])
+    cos, sin = rope.cos_sin(rope_spec, rope_dim, j * ratio, F32)
+    return latent, quant(rope.apply(latent, cos, sin, True))
+
+
+def _compress(cfg, cp, x, ctx, cache, names, ratio, overlap, rope_spec, rope_dim, quant):
+    """A compressor over this step's tokens: (latent, entries) [B, N, c] (full / prefill: every complete group
+    of the chunk; prefill also keeps each row's partial group), or in decode (latent, entry) [B, 1, c] of the
+    group ending at this token with (emitted [B], entry index [B]). names: the cache's (kv ring, gate ring)."""
+    pos = ctx["positions"]
+    a, g = _project(cp, x, pos, ratio)
+    if ctx["mode"] != "decode":
+        kv, gate = group_slots(a, g, ratio, overlap)
+        pooled = pool(kv, gate).astype(x.dtype)
+        j = jnp.broadcast_to(jnp.arange(pooled.shape[1]), pooled.shape[:2])
+        if ctx["mode"] == "prefill":
+            cache.fill(names[0], a, ctx["lengths"])
+            cache.fill(names[1], g, ctx["lengths"])
+        return _finish(cfg, cp, pooled, j, ratio, rope_spec, rope_dim, quant), None
+    p0 = pos[:, 0]
+    bufs = []
+    for name, v in zip(names, (a, g)):  # the token's projections into the ring, then the group ending here
+        buf = cache.get(name)
+        buf = buf.at[jnp.arange(x.shape[0]), p0 % buf.shape[1]].set(v[:, 0].astype(buf.dtype))
+        cache.set(name, buf)
+        bufs.append(buf)
+    size = bufs[0].shape[1]
+    take = lambda t, start: jnp.take_along_axis(t, ((start[:, None] + jnp.arange(ratio)) % size)[..., None], 1)  # noqa: E731
+    cur_kv, cur_g = take(bufs[0], p0 - ratio + 1), take(bufs[1], p0 - ratio + 1)
+    if overlap:
+        h = cur_kv.shape[-1] // 2
+        prev_kv, prev_g = take(bufs[0], p0 - 2 * ratio + 1), take(bufs[1], p0 - 2 * ratio + 1)
+        prev_g = jnp.where((p0 >= ratio)[:, None, None], prev_g, NEG)
+        cur_kv = jnp.concatenate([prev_kv[..., :h], cur_kv[..., h:]], axis=1)
+        cur_g = jnp.concatenate([prev_g[..., :h], cur_g[..., h:]], axis=1)
+    pooled = pool(cur_kv, cur_g).astype(x.dtype)[:, None]
+    j = p0 // ratio
+    return _finish(cfg, cp, pooled, j[:, None], ratio, rope_spec, rope_dim, quant), ((p0 + 1) % ratio == 0, j)
+
+
+def _store(cache, name, entries, ctx, ratio, emitted):
+    """Write a compressor's entries into the cache; return what attention reads: this chunk's entries, or in
+    decode the whole cache (the entry written where it was emitted)."""
+    if ctx["mode"] == "prefill":
+        cache.write(name, entries[:, None], ctx["lengths"] // ratio)
+    if ctx["mode"] != "decode":
+        return entries
+    emit, j = emitted
+    cache.write_token(name, entries[:, None, 0], jnp.where(emit, j, -1))
+    return cache.read(name)[:, 0]
+
+
+def _compressed(cfg, m, rope_spec, cp, x, ctx, cache):
+    """This layer's compressed entries (what attention reads) and the latent its indexer keys come from."""
+    (latent, entry), emitted = _compress(cfg, cp, x, ctx, cache, ("buf_kv", "buf_gate"), m.ratio, m.overlap,
+                                         rope_spec, m.rope_dim, lambda e: _latent_qdq(m, ctx, e))
+    return _store(cache, "compressed", entry, ctx, m.ratio, emitted), (latent, emitted)
+
+
+# ------------------------------------------------------------------------------------------------- indexer
+def _indexer(cfg, m, rope_spec, ip, x, qr, ctx, cache, state, vis):
+    """Top-k mask over the compressed entries for each query (+ candidate blocks on the candidate source)."""
+    B, T, _ = x.shape
+    HI, dI = m.index_heads, m.index_head_dim
+    quant = lambda e: _index_qdq(m, ctx, e)  # noqa: E731
+    if m.index_keys == "latent":  # V4.1 kv source: keys from the pre-RoPE latent
+        latent, emitted = state["latent"]
+        j = emitted[1][:, None] if emitted else jnp.broadcast_to(jnp.arange(latent.shape[1]), latent.shape[:2])
+        k = _rms(cfg, linear(ctx, latent, ip["wk"], fp8=False), ip["k_norm"])
+        cos, sin = rope.cos_sin(rope_spec, m.rope_dim, j * m.ratio, F32)
+        state["index_k"] = _store(cache, "index_keys", quant(rope.apply(k, cos, sin, True)), ctx, m.ratio, emitted)
+    elif m.index_keys == "compressor":  # V4: its own overlapped compressor at index_head_dim
+        (_, k), emitted = _compress(cfg, ip["compressor"], x, ctx, cache, ("ibuf_kv", "ibuf_gate"), m.ratio, True,
+                                    rope_spec, m.rope_dim, quant)
+        state["index_k"] = _store(cache, "index_keys", k, ctx, m.ratio, emitted)
+    cos, sin = ctx["rope"][(rope_spec, m.rope_dim)]
+    qi = linear(ctx, qr, ip["wq_b"]).reshape(B, T, HI, dI)
+    qi = quant(rope.apply(qi, cos[:, :, None], sin[:, :, None], True))
+    w = linear(ctx, x, ip["weights_proj"], fp8=False).astype(F32) * (dI ** -0.5 * HI ** -0.5)
+    scores = jnp.where(vis, index_scores(qi, state["index_k"], w), NEG)
+    if m.candidate_source:
+        state["candidates"] = candidate_blocks(scores, vis, m.candidate_blocks, m.candidate_block_size)
+    if m.candidate_filter:
+        scores = jnp.where(state["candidates"], scores, NEG)
+    return top_k_mask(scores, m.index_topk)

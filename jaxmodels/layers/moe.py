@@ -2,36 +2,46 @@
 
 Every (token, expert) assignment is computed: tokens are sorted by expert and each expert's rows go
 through one grouped matmul. No capacity factor, nothing dropped. `dense` computes every expert on
-every token and masks: the reference the sparse path is tested against.
+every token and masks: the reference the sparse path is tested against. Experts kept quantized
+({"fp8"|"fp4", "scale"} leaves, [E, out, in]) are expanded inside the computation. The sharding decision
+is an argument: `shard` (see jaxmodels.sharding.Sharding) says whether experts are split over a mesh axis.
 """
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
-from jaxmodels import sharding
 from jaxmodels.config import MLPSpec
-from jaxmodels.layers import mlp
+from jaxmodels.layers import mlp, qdq
 
 F32 = jnp.float32
+SCORES = {"softmax": lambda s: jax.nn.softmax(s, axis=-1), "sigmoid": jax.nn.sigmoid,
+          "sqrtsoftplus": lambda s: jnp.sqrt(jax.nn.softplus(s))}
 
 
-def route(spec: MLPSpec, p, x):
-    """x [N, D] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
-    logits = jnp.dot(x, p["router"])
-    if spec.router_bias:
-        logits = logits + p["router_bias"]
-    if spec.router == "softmax_topk":  # softmax over all experts in fp32, then the k largest
-        probs = jax.nn.softmax(logits.astype(F32), axis=-1)
-        w, idx = jax.lax.top_k(probs, spec.top_k)
-        if spec.renormalize:
-            w = w / jnp.sum(w, axis=-1, keepdims=True)
-    elif spec.router == "topk_softmax":  # the k largest logits, softmax over those k in the logits' dtype
-        v, idx = jax.lax.top_k(logits, spec.top_k)
-        w = jax.nn.softmax(v, axis=-1)
+def route(spec: MLPSpec, p, x, tokens=None):
+    """x [N, D] -> (weights [N, k], expert ids [N, k]); weights in x's dtype, fp32 for DeepSeek's routers."""
+    if spec.router in ("biased_topk", "hash"):  # DeepSeek: fp32 scores; a bias that only picks the experts
+        s = SCORES[spec.score_func](jnp.einsum("nd,de->ne", x.astype(F32), p["router"].astype(F32)))
+        if spec.router == "hash":
+            idx = p["tid2eid"][tokens.reshape(-1)]
+        else:
+            picks = s + p["selection_bias"].astype(F32) if spec.selection_bias else s
+            idx = jax.lax.top_k(picks, spec.top_k)[1]
+        w = jnp.take_along_axis(s, idx, axis=-1)
     else:
-        raise ValueError(f"unknown router {spec.router!r}")
-    return w.astype(x.dtype), idx
+        logits = jnp.dot(x, p["router"])
+        if spec.router_bias:
+            logits = logits + p["router_bias"]
+        if spec.router == "softmax_topk":  # softmax over all experts in fp32, then the k largest
+            w, idx = jax.lax.top_k(jax.nn.softmax(logits.astype(F32), axis=-1), spec.top_k)
+        else:  # topk_softmax: the k largest logits, softmax over those k in the logits' dtype
+            v, idx = jax.lax.top_k(logits, spec.top_k)
+            w = jax.nn.softmax(v, axis=-1)
+    if spec.renormalize:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    if spec.route_scale != 1.0:
+        w = w * spec.route_scale
+    return (w if spec.router in ("biased_topk", "hash") else w.astype(x.dtype)), idx
 
 
 def _expert_out(spec, p, x, e, ragged=None):
@@ -47,16 +57,23 @@ def _expert_out(spec, p, x, e, ragged=None):
     return y + p["b_down"][e] if spec.bias else y
 
 
-def sparse(spec: MLPSpec, p, x):
-    """Dropless routed experts (+ shared expert). x [..., D].
+EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
-    Under a mesh whose rules shard `experts`, each device computes only its own experts' assignments
-    (routing is replicated) and one psum over the expert axis combines them (`shard_map`).
+
+def sparse(spec: MLPSpec, p, x, shard=None, tokens=None, act_block: int | None = None):
+    """Dropless routed experts (+ shared expert). x [..., D]; tokens [...] for hash routing.
+
+    Under a `shard` whose rules split `experts` over a mesh axis, each device computes only its own experts'
+    assignments (routing is replicated) and one psum over that axis combines them (`shard_map`).
+    act_block: the reference's numerics (every expert on every token, FP8 activation QDQ, fp32 accumulation).
     """
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
-    w, idx = route(spec, p, xt)
-    ep = sharding.expert_axis(spec.num_experts)
+    w, idx = route(spec, p, xt, tokens)
+    if act_block:
+        return _reference(spec, p, xt, w, idx, act_block).reshape(shape)
+    w = w.astype(xt.dtype)
+    ep = shard.expert_axis(spec.num_experts) if shard is not None else None
     if ep is None:
         out = _routed(spec, p, xt, w, idx, 0)
     else:
@@ -73,22 +90,21 @@ def sparse(spec: MLPSpec, p, x):
     return _shared(spec, p, xt, out).reshape(shape)
 
 
-EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-
-
 def _routed(spec, p, xt, w, idx, first):
     """Sum of the assignments to the experts in `p` (global ids first ..); other assignments add 0.
 
-    Few assignments (decode: tokens * top_k <= experts) gather just the chosen experts' weights;
-    otherwise rows are sorted by expert into one grouped `ragged_dot` per matrix (rows of other
-    devices' experts sort last, past every group, and come out zero).
+    Few assignments (decode: tokens * top_k <= experts) gather just the chosen experts' weights (for experts
+    kept quantized: just their bytes); otherwise rows are sorted by expert into one grouped `ragged_dot` per
+    matrix (rows of other devices' experts sort last, past every group, and come out zero).
     """
-    E = p["w_gate"].shape[0]
+    E = jax.tree.leaves(p["w_gate"])[0].shape[0]
     local = idx - first
     mine = (local >= 0) & (local < E)
     w = jnp.where(mine, w, 0)
     if xt.shape[0] * spec.top_k <= E:
         return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1))
+    if isinstance(p["w_gate"], dict):  # kept quantized: expand every expert once, [E, in, out]
+        p = p | {n: jnp.swapaxes(qdq.dequant(p[n], xt.dtype), -1, -2) for n in ("w_gate", "w_up", "w_down")}
     flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // spec.top_k
@@ -103,7 +119,12 @@ def _gathered(spec, p, xt, w, idx):
     """Each (token, slot) reads only its expert's matrices: weight bytes ~ tokens * top_k experts."""
     e = idx.reshape(-1)
     rows = jnp.repeat(xt, spec.top_k, axis=0)
-    mm = lambda a, name: jnp.einsum("nd,ndf->nf", a, p[name][e])  # noqa: E731
+
+    def mm(a, name):
+        if isinstance(p[name], dict):  # kept quantized [E, out, in]: expand only the chosen experts' bytes
+            return jnp.einsum("nd,nfd->nf", a, qdq.dequant({k: v[e] for k, v in p[name].items()}, a.dtype))
+        return jnp.einsum("nd,ndf->nf", a, p[name][e])
+
     g, u = mm(rows, "w_gate"), mm(rows, "w_up")
     if spec.bias:
         g, u = g + p["b_gate"][e], u + p["b_up"][e]
@@ -112,6 +133,17 @@ def _gathered(spec, p, xt, w, idx):
         y = y + p["b_down"][e]
     y = y.reshape(xt.shape[0], spec.top_k, -1) * w[..., None]
     return jnp.sum(y, axis=1).astype(xt.dtype)
+
+
+def _reference(spec, p, xt, w, idx, act_block):
+    """DeepSeek's reference numerics: every expert on every token (tiny models), FP8 linears, the routing weight
+    applied before w2, accumulated in fp32 in ascending expert order, then the shared expert."""
+    y = jnp.zeros(xt.shape, F32)
+    for e in range(spec.num_experts):
+        we = jnp.sum(jnp.where(idx == e, w, 0.0), axis=-1, keepdims=True)
+        pe = {k: jax.tree.map(lambda t: t[e], p[k]) for k in ("w_gate", "w_up", "w_down")}
+        y = y + jnp.where(we > 0, mlp.gated(spec, pe, xt, act_block, weight=we).astype(F32), 0.0)
+    return (y + _shared(spec, p, xt, 0.0, act_block).astype(F32)).astype(xt.dtype)
 
 
 def dense(spec: MLPSpec, p, x):
@@ -126,8 +158,9 @@ def dense(spec: MLPSpec, p, x):
     return _shared(spec, p, xt, out).reshape(shape)
 
 
-def _shared(spec, p, xt, out):
+def _shared(spec, p, xt, out, act_block=None):
     if not spec.shared_intermediate_size:
         return out
-    shared = MLPSpec(activation=spec.activation, clamp_alpha=spec.clamp_alpha, clamp_limit=spec.clamp_limit)
-    return out + mlp.gated(shared, p["shared"], xt)
+    shared = MLPSpec(activation=spec.activation, clamp_alpha=spec.clamp_alpha, clamp_limit=spec.clamp_limit,
+                     activation_fp32=spec.activation_fp32)
+    return out + mlp.gated(shared, p["shared"], xt, act_block)

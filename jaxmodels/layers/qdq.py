@@ -28,6 +28,7 @@ and the result equals dequant-then-matmul.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
@@ -66,12 +67,6 @@ def e8m0_byte(s):
     return ((_bits(s) >> 23) & 0xFF).astype(jnp.uint8)
 
 
-def e8m0_to_f32(b):
-    """E8M0 bytes (uint8) -> 2^(b-127) in fp32; byte 0 is the subnormal 2^-127, byte 255 NaN."""
-    b = b.astype(jnp.int32)
-    return _from_bits(jnp.where(b == 0, 0x00400000, jnp.where(b == 255, 0x7FC00000, b << 23)))
-
-
 def e4m3_rne(v):
     """fp32 values with |v| <= 448 -> the nearest e4m3fn value (ties to even), still as fp32.
 
@@ -83,12 +78,14 @@ def e4m3_rne(v):
 
 
 def e2m1_codes(v):
-    """fp32 values in [-6, 6] -> 4-bit e2m1 codes (uint8, bit 3 = sign), round-to-nearest-even (as REF41-ker)."""
-    mag = jnp.abs(v)
-    code = jnp.zeros(v.shape, jnp.int32)
+    """fp32 values in [-6, 6] -> 4-bit e2m1 codes (uint8, bit 3 = sign), round-to-nearest-even (as REF41-ker).
+    NumPy in, NumPy out (host encoders); JAX in, JAX out."""
+    xp = _xp(v)
+    mag = xp.abs(v)
+    code = xp.zeros(v.shape, np.int32)
     for mid, up in zip(_E2M1_MIDS, _E2M1_TIE_UP):
         code = code + (mag > mid) + ((mag == mid) & up)
-    return (code | (jnp.signbit(v).astype(jnp.int32) << 3)).astype(jnp.uint8)
+    return (code | (xp.signbit(v).astype(np.int32) << 3)).astype(np.uint8)
 
 
 def _recip_pow2(s):
@@ -171,55 +168,115 @@ def fp4_act_quant(x, block: int = 32, scale_fmt: str = "e8m0", return_codes: boo
     return (jnp.asarray(FP4_TABLE)[codes] * s[..., None]).reshape(x.shape).astype(x.dtype)
 
 
-# ---- weights kept quantized in the params ----
+# ---- block-scaled weights: one decoder for host import (NumPy) and device (jit), the same arithmetic ----
+
+def _host(a) -> bool:
+    return isinstance(a, np.ndarray)
+
+
+def _xp(a):
+    return np if _host(a) else jnp
+
+
+def _bitcast(x, dtype):
+    return np.ascontiguousarray(x).view(dtype) if _host(x) else lax.bitcast_convert_type(x, dtype)
+
 
 def _as_u8(b):
     """Raw bytes of E8M0 scales / packed FP4: reinterpreted, never numerically cast (2^-7 would become 0)."""
-    b = jnp.asarray(b)
-    if b.dtype == jnp.uint8:
+    b = b if _host(b) else jnp.asarray(b)
+    if b.dtype == np.uint8:
         return b
-    if b.dtype in (jnp.int8, jnp.float8_e8m0fnu):
-        return lax.bitcast_convert_type(b, jnp.uint8)
+    if b.dtype in (np.int8, ml_dtypes.float8_e8m0fnu):
+        return _bitcast(b, np.uint8)
     raise TypeError(f"expected raw bytes (uint8 / int8 / float8_e8m0fnu), got {b.dtype}")
 
 
 def _as_e4m3(w):
-    w = jnp.asarray(w)
-    if w.dtype in (jnp.uint8, jnp.int8):
-        return lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
-    if w.dtype != jnp.float8_e4m3fn:
+    w = w if _host(w) else jnp.asarray(w)
+    if w.dtype in (np.uint8, np.int8):
+        return _bitcast(w, ml_dtypes.float8_e4m3fn)
+    if w.dtype != ml_dtypes.float8_e4m3fn:
         raise TypeError(f"expected float8_e4m3fn weights (or their raw bytes), got {w.dtype}")
     return w
 
 
+def e8m0_to_f32(b):
+    """E8M0 bytes -> 2^(b-127) in fp32; byte 0 is the subnormal 2^-127, byte 255 NaN."""
+    xp = _xp(b)
+    b = _as_u8(b).astype(np.int32)
+    return _bitcast(xp.where(b == 0, 0x00400000, xp.where(b == 255, 0x7FC00000, b << 23)).astype(np.int32), np.float32)
+
+
 def _block_pair(block):
-    return (block, block) if isinstance(block, int) else tuple(block)
+    return (block, block) if isinstance(block, (int, np.integer)) else tuple(block)
 
 
-def dequant_fp8(w_q, w_scale, block=32, dtype=F32):
-    """e4m3 [O, I] (float8_e4m3fn) + E8M0 bytes [ceil(O/Bo), ceil(I/Bi)] (uint8) -> dtype [O, I] (exact)."""
+def dequant_fp8(w_q, w_scale, block=32, dtype=F32, name: str = "weight"):
+    """e4m3 [..., O, I] (float8_e4m3fn or its bytes) + E8M0 bytes [..., ceil(O/Bo), ceil(I/Bi)] -> dtype [..., O, I].
+
+    block: an int (square blocks: 32 in V4.1, 128 in V4) or (Bo, Bi), e.g. (1, 32) for Engram's per-row scales.
+    Exact: an e4m3 value times a power of two is representable in fp32 and bf16.
+    """
+    xp = _xp(w_q)
     bo, bi = _block_pair(block)
     w_q = _as_e4m3(w_q)
+    if w_q.ndim < 2:
+        raise ValueError(f"{name}: FP8 weight must be at least 2-D [O, I], got shape {tuple(w_q.shape)}")
     o, i = w_q.shape[-2:]
     want = (*w_q.shape[:-2], -(-o // bo), -(-i // bi))
     if tuple(w_scale.shape) != want:
-        raise ValueError(f"FP8 scale shape {tuple(w_scale.shape)} does not match weight {tuple(w_q.shape)} "
+        raise ValueError(f"{name}: FP8 scale shape {tuple(w_scale.shape)} does not match weight {tuple(w_q.shape)} "
                          f"with {bo}x{bi} blocks (expected {want})")
-    s = e8m0_to_f32(_as_u8(w_scale))
-    s = jnp.repeat(jnp.repeat(s, bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
-    return (w_q.astype(F32) * s).astype(dtype)
+    s = e8m0_to_f32(w_scale)
+    s = xp.repeat(xp.repeat(s, bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
+    return (w_q.astype(np.float32) * s).astype(dtype)
 
 
-def dequant_fp4(w_packed, w_scale, block: int = 32, dtype=F32):
-    """Packed e2m1 [O, I/2] (uint8/int8, low nibble = element 2k) + E8M0 bytes [O, I/block] -> dtype [O, I]."""
+def dequant_fp4(w_packed, w_scale, block: int = 32, dtype=F32, name: str = "weight"):
+    """Packed e2m1 [..., O, I/2] (low nibble = element 2k) + E8M0 bytes [..., O, I/block] -> dtype [..., O, I].
+    Also MXFP4 (GPT-OSS): blocks [..., G, 16] reshaped to [..., G*16] with scales [..., G]."""
+    xp = _xp(w_packed)
     b = _as_u8(w_packed)
+    if b.ndim < 2:
+        raise ValueError(f"{name}: packed FP4 weight must be at least 2-D [O, I/2], got shape {tuple(b.shape)}")
     *lead, o, half = b.shape
-    if tuple(w_scale.shape) != (*lead, o, 2 * half // block) or (2 * half) % block:
-        raise ValueError(f"FP4 scale shape {tuple(w_scale.shape)} does not match packed weight {tuple(b.shape)} "
-                         f"(expected {(*lead, o, 2 * half // block)})")
-    codes = jnp.stack([b & 0x0F, b >> 4], axis=-1).reshape(*lead, o, 2 * half)
-    s = jnp.repeat(e8m0_to_f32(_as_u8(w_scale)), block, axis=-1)
-    return (jnp.asarray(FP4_TABLE)[codes] * s).astype(dtype)
+    if (2 * half) % block or tuple(w_scale.shape) != (*lead, o, 2 * half // block):
+        raise ValueError(f"{name}: FP4 scale shape {tuple(w_scale.shape)} does not match packed weight "
+                         f"{tuple(b.shape)} (expected {(*lead, o, 2 * half // block)}: one scale per {block} values)")
+    codes = xp.stack([b & 0x0F, b >> 4], axis=-1).reshape(*lead, o, 2 * half)
+    s = xp.repeat(e8m0_to_f32(w_scale), block, axis=-1)
+    return (xp.asarray(FP4_TABLE)[codes] * s).astype(dtype)
+
+
+def dequant(w: dict, dtype, name: str = "weight"):
+    """A weight kept quantized in the params -> dtype [..., out, in]: {"fp8": e4m3 bytes [.., O, I], "scale": E8M0
+    block grid} (the square block read off the grid) or {"fp4": packed e2m1 [.., O, I/2], "scale": E8M0 [.., O, I/32]}."""
+    if "fp4" in w:
+        return dequant_fp4(w["fp4"], w["scale"], 32, dtype, name)
+    o, i = w["fp8"].shape[-2:]
+    block = next((b for b in (32, 128, 64, 16) if tuple(w["scale"].shape[-2:]) == (-(-o // b), -(-i // b))), None)
+    if block is None:
+        raise ValueError(f"{name}: scale grid {tuple(w['scale'].shape)} does not tile a weight of shape "
+                         f"{tuple(w['fp8'].shape)} in square blocks")
+    return dequant_fp8(w["fp8"], w["scale"], block, dtype, name)
+
+
+def linear(x, w, act_block: int | None = None):
+    """x @ w for w [in, out], or for a weight kept quantized ({"fp8"|"fp4", "scale"}, [out, in]) expanded here.
+
+    act_block: the reference's FP8 linear — activations QDQ'd per block (UE8M0) first, then fp32 math over the
+    dequantised weight, result in x's dtype. Otherwise the product runs in x's dtype.
+    """
+    if act_block:
+        x = act_quant_fp8(x, act_block)
+        xw = x.astype(F32)
+        wt = dequant(w, F32) if isinstance(w, dict) else w.astype(F32)
+    else:
+        xw = x
+        wt = dequant(w, x.dtype) if isinstance(w, dict) else w.astype(x.dtype)
+    out = jnp.einsum("...i,oi->...o" if isinstance(w, dict) else "...i,io->...o", xw, wt)
+    return out.astype(x.dtype)
 
 
 def _matmul(x, w, act_quant, out_dtype, compute_dtype):

@@ -76,15 +76,21 @@ def cos_sin(spec: RopeSpec, dim: int, positions, dtype, max_position: int | None
     return (jnp.cos(ang) * af).astype(dtype), (jnp.sin(ang) * af).astype(dtype)
 
 
-def apply(x, cos, sin, interleaved: bool):
-    """Rotate x [B, T, heads, d] by tables [B, T, d/2]."""
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    if not interleaved:  # rotate_half: (x1, x2) halves, in the activation dtype
+def apply(x, cos, sin, interleaved: bool, inverse: bool = False):
+    """Rotate the last 2 * cos.shape[-1] channels of x (all of them, or DeepSeek's RoPE tail) by the tables,
+    which broadcast against x[..., :-1] (e.g. [B, T, 1, d/2] for x [B, T, heads, d]); inverse rotates by -angle.
+
+    Halves (rotate_half) are rotated in the activation dtype, as HF; interleaved pairs (2j, 2j+1) in fp32 and
+    cast back (HF Cohere upcasts q/k for this rotation; DeepSeek's reference rotates in fp32).
+    """
+    if inverse:
+        sin = -sin
+    if not interleaved:
         x1, x2 = jnp.split(x, 2, axis=-1)
-        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    # Interleaved pairs (Cohere); HF upcasts q/k to fp32 for this rotation and casts back.
-    x32 = x.astype(jnp.float32)
-    c, s = c.astype(jnp.float32), s.astype(jnp.float32)
-    xe, xo = x32[..., 0::2], x32[..., 1::2]
-    out = jnp.stack([xe * c - xo * s, xo * c + xe * s], axis=-1).reshape(x.shape)
-    return out.astype(x.dtype)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    rd = 2 * cos.shape[-1]
+    head, tail = x[..., :-rd], x[..., -rd:].astype(jnp.float32)
+    c, s = cos.astype(jnp.float32), sin.astype(jnp.float32)
+    xe, xo = tail[..., 0::2], tail[..., 1::2]
+    rot = jnp.stack([xe * c - xo * s, xo * c + xe * s], axis=-1).reshape(tail.shape).astype(x.dtype)
+    return rot if rd == x.shape[-1] else jnp.concatenate([head, rot], axis=-1)

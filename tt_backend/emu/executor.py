@@ -230,7 +230,7 @@ def first_layers(model, config):
     """`model` cut to `config` when config is model.config with only its first n layers (vLLM's n_layers)."""
     import dataclasses
 
-    from jaxmodels.model import plan
+    from jaxmodels.plan import plan
 
     if config == model.config:
         return model
