@@ -24,43 +24,49 @@ import numpy as np
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from _common import jax_ceilings, log, median_time, src_hash  # noqa: E402
 
-from jaxmodels import deepseek as D  # noqa: E402
-from jaxmodels.config import RopeSpec  # noqa: E402
-from jaxmodels.families.deepseek_v4 import V41, DeepseekConfig, DSLayer  # noqa: E402
+from jaxmodels import model as D, plan  # noqa: E402
+from jaxmodels.families import deepseek_v4  # noqa: E402
 
-LAYERS = (DSLayer(ratio=2, compress=True, select="indexer", index_keys="latent"),
-          DSLayer(ratio=2, select="reuse"),
-          DSLayer(ratio=1, compress=True, select="indexer", index_keys="latent", candidate_source=True),
-          DSLayer(ratio=1, select="indexer", index_keys="shared", candidate_filter=True))
-
-
-def flash_config(layers=LAYERS) -> DeepseekConfig:
-    return DeepseekConfig(
-        family=V41, vocab_size=129280, hidden_size=5120, num_heads=64, head_dim=512, rope_dim=64, q_lora_rank=1280,
-        o_groups=8, o_lora_rank=1024, window=128, layers=layers, index_n_heads=32, index_head_dim=128, index_topk=512,
-        candidate_topk_blocks=2048, candidate_block_size=8, compress_rope=RopeSpec(
-            theta=160000.0, kind="yarn", factor=16.0, interleaved=True, original_max_position=65536,
-            beta_fast=32.0, beta_slow=1.0, attention_factor=1.0),
-        norm_eps=1e-20, num_experts=384, top_k=6, moe_intermediate_size=2304, route_scale=1.5)
+# the released V4.1-Flash text config (specs/deepseek_v4.md §1.2, §1.3)
+FLASH = {"num_hidden_layers": 40, "num_nextn_predict_layers": 3, "hidden_size": 5120, "num_attention_heads": 64,
+         "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_groups": 8, "o_lora_rank": 1024,
+         "sliding_window": 128, "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+         "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+         "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
+         "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512, "n_routed_experts": 384,
+         "num_experts_per_tok": 6, "moe_intermediate_size": 2304, "routed_scaling_factor": 1.5,
+         "rms_norm_eps": 1e-20, "vocab_size": 129280,
+         "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                          "beta_fast": 32, "beta_slow": 1}}
+ROLE_LAYERS = (2, 3, 20, 24)  # ratio-2 source, ratio-2 reuse, ratio-1 source + candidates, reindex
 
 
-def step_bytes(cfg: DeepseekConfig, params, batch: int, max_len: int) -> dict:
+def flash_config(layers=ROLE_LAYERS):
+    """V4.1-Flash with the given layers of its plan (all 40 with layers=None), no Engram, no MTP."""
+    cfg = deepseek_v4.config({"model_type": "deepseek_v41", "text_config": FLASH})
+    picked = cfg.layers if layers is None else tuple(cfg.layers[i] for i in layers)
+    return dataclasses.replace(cfg, layers=tuple(dataclasses.replace(s, engram=-1) for s in picked), engram=None,
+                               mtp=None)
+
+
+def step_bytes(cfg, params, batch: int, max_len: int) -> dict:
     """Bytes a decode step must read: every weight but the embedding table (B rows of it) and the routed
     experts, the routed experts the batch picks (expected distinct experts under uniform routing), and the
     caches it attends (window + compressed entries + index keys, bf16)."""
-    E, k = cfg.num_experts, cfg.top_k
-    expert = params["layers"]["0"]["ffn"]["w_gate"]
+    moe = cfg.layers[0].mlp
+    E, k = moe.num_experts, moe.top_k
+    expert = params["layers"]["0"]["mlp"]["w_gate"]
     per_param = (0.5 + 1 / 32) if isinstance(expert, dict) else 2  # FP4 bytes + one E8M0 per 32, or bf16
-    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * per_param
+    expert_bytes = 3 * cfg.hidden_size * moe.intermediate_size * per_param
     distinct = E * (1 - (1 - k / E) ** batch)
     dense = 0
     for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = "/".join(str(getattr(p, "key", p)) for p in path)
-        routed = any(f"/{n}" in name for n in ("w_gate", "w_up", "w_down")) and "/shared/" not in name
+        routed = "/mlp/" in name and any(f"/{n}" in name for n in ("w_gate", "w_up", "w_down")) and "/shared/" not in name
         if not routed and name != "embed":
             dense += a.size * a.dtype.itemsize
-    cache = sum(cfg.window * cfg.head_dim + ((max_len // L.ratio) * (cfg.head_dim * L.compress + cfg.index_head_dim
-                * (L.index_keys == "latent")) if L.ratio else 0) for L in cfg.layers) * 2
+    cache = sum(s.attention.window * cfg.head_dim + ((max_len // m.ratio) * (cfg.head_dim * m.compress + m.index_head_dim
+                * (m.index_keys == "latent")) if m.ratio else 0) for s in cfg.layers for m in [s.attention.mla]) * 2
     routed = cfg.num_layers * distinct * expert_bytes
     return {"dense_weights": dense, "routed_experts": routed, "cache": batch * cache,
             "total": dense + routed + batch * cache, "distinct_experts_per_layer": distinct}
@@ -69,10 +75,13 @@ def step_bytes(cfg: DeepseekConfig, params, batch: int, max_len: int) -> dict:
 def run(batches, prompt, steps, reps, tiny=False, fp4=False):
     cfg = flash_config()
     if tiny:  # a CPU smoke run of this script: same roles, toy widths
-        cfg = dataclasses.replace(cfg, vocab_size=256, hidden_size=64, num_heads=4, head_dim=64, rope_dim=16,
-                                  q_lora_rank=32, o_groups=2, o_lora_rank=32, window=16, index_n_heads=4,
-                                  index_head_dim=32, index_topk=8, candidate_topk_blocks=3, candidate_block_size=4,
-                                  num_experts=8, top_k=2, moe_intermediate_size=32)
+        global FLASH
+        FLASH = {**FLASH, "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 64,
+                 "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 32, "sliding_window": 16,
+                 "index_n_heads": 4, "index_head_dim": 32, "index_topk": 8, "candidate_topk_blocks": 3,
+                 "candidate_block_size": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32}
+        cfg = flash_config()
     out = {"src": src_hash(), "device": str(jax.devices()[0]), "jax": jax.__version__, "layers": len(cfg.layers)}
     out["ceilings"] = jax_ceilings({"bw_bytes": (1 << 20) if tiny else (4 << 30), "mm": 256 if tiny else 8192})
     bw = max(out["ceilings"]["elementwise_rw_GBps"], out["ceilings"]["reduce_read_GBps"]) * 1e9
@@ -93,7 +102,7 @@ def run(batches, prompt, steps, reps, tiny=False, fp4=False):
         except Exception as e:  # noqa: BLE001  (e.g. out of memory at a batch size: recorded, not hidden)
             out["runs"][str(B)] = {"error": repr(e)[:2000]}
             log(f"B={B}: {e!r}"[:2000])
-    out["cache_bytes_per_token_bf16"] = D.cache_bytes_per_token(cfg)
+    out["cache_bytes_per_token_bf16"] = plan.cache_bytes_per_token(cfg)
     return out
 
 

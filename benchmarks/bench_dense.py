@@ -180,100 +180,58 @@ def stage_compile(S: dict, out: dict, save, depth: str):
 
 
 def stage_diag(S: dict, out: dict, save):
-    """Why decode is slow: optimized-HLO inventory of the library's decode_step, and the same layers
-    (jaxmodels.model._layer, unchanged) run as a Python-unrolled loop over per-layer weight arrays and
-    per-layer caches, which needs no dynamic-slice of stacked weights. Plus the T=2048 attention core
-    alone: the library's attend vs jax.nn.dot_product_attention (cuDNN flash attention)."""
+    """Why decode is slow: optimized-HLO inventory of the library's decode_step (layers scanned), next to the
+    same public decode_step fully unrolled (unroll=True: every layer reads its weights through static slices).
+    Plus the T=2048 attention core alone: the library's attend vs jax.nn.dot_product_attention (cuDNN)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxmodels import families, model as M
-    from jaxmodels.layers import attention, rope
+    from jaxmodels.layers import attention
 
     bf16 = jnp.bfloat16
     cfg = families.config_from_hf(S["hf"])
-    spec = M.plan(cfg).kinds[0]
     params = M.init_params(cfg, 0, dtype=bf16)
-    L = cfg.num_layers
-    layer_params = [jax.tree.map(lambda a, i=i: a[i], params["layers"]["0"]) for i in range(L)]
-    jax.block_until_ready(layer_params)
     rng = np.random.default_rng(0)
-    step = jax.jit(M.decode_step, static_argnums=1, donate_argnums=4)
-
-    def unrolled(params, layer_params, tokens, positions, caches):
-        x = M._embed(cfg, params, tokens[:, None])
-        pos = positions[:, None]
-        r = spec.attention.rope
-        ctx = {"positions": pos, "mode": "decode", "lengths": None,
-               "rope": {r: rope.cos_sin(r, cfg.head_dim, pos, x.dtype, cfg.max_position_embeddings)}}
-        new = []
-        for p, (kc, vc) in zip(layer_params, caches):
-            x, (kc, vc) = M._layer(cfg, spec, p, x, ctx, (kc, vc, 0))
-            new.append((kc, vc))
-        return M._head(cfg, params, x)[:, 0], new
-
-    unr = jax.jit(unrolled, donate_argnums=4)
     d = out.setdefault("diag", {})
     for B in S["batches"]:
         tok = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
         nsteps = S["decode_steps"]
         pos = [jnp.full((B,), S["prompt"] + i, jnp.int32) for i in range(nsteps)]
-        r = {}
-        # library scan version
-        cache = M.init_cache(cfg, B, S["cache_len"], bf16)
-        cache = jax.tree.map(lambda c: jax.random.normal(jax.random.PRNGKey(B), c.shape, c.dtype), cache)
-        comp = step.lower(params, cfg, tok, pos[0], cache).compile()
-        rep, txt = hlo_report(comp)
-        r["scan_hlo"] = rep
-        (Path(out["_out"]) / f"hlo_decode_b{B}.txt").write_text(txt)
-        state = {"c": cache}
-        del cache
+        r, first = {}, {}
+        for name, unroll in (("scan", 1), ("unrolled", True)):
+            cache = M.init_cache(cfg, B, S["cache_len"], bf16)
+            cache = jax.tree.map(lambda c: jax.random.normal(jax.random.PRNGKey(B), c.shape, c.dtype), cache)
+            t0 = time.perf_counter()
+            comp = jax.jit(M.decode_step, static_argnums=(1, 5), donate_argnums=4).lower(
+                params, cfg, tok, pos[0], cache, unroll).compile()
+            r[f"{name}_compile_s"] = time.perf_counter() - t0
+            rep, txt = hlo_report(comp)
+            r[f"{name}_hlo"] = rep
+            (Path(out["_out"]) / f"hlo_decode_{name}_b{B}.txt").write_text(txt)
+            state = {"c": cache}
+            del cache
 
-        def run_scan(k=nsteps):
-            c = state["c"]
-            for i in range(k):
-                lg, c = comp(params, tok, pos[i], c)
-            lg.block_until_ready()
-            state["c"] = c
-            return lg
-        ref_scan = np.asarray(run_scan(1))  # position prompt+0, same random cache as below
-        run_scan(3)
-        t, _ = median_time(run_scan, S["reps"])
-        r["scan_step_ms"] = t / nsteps * 1e3
-        del state
-        # unrolled version over the same weights and an identical random cache
-        kshape = jax.eval_shape(lambda: M.init_cache(cfg, B, S["cache_len"], bf16))[0]["k"].shape  # the library's layout
-        kcs = jax.random.normal(jax.random.PRNGKey(B), kshape, bf16)
-        caches = [(kcs[i:i + 1], kcs[i:i + 1]) for i in range(L)]
-        del kcs
-        t0 = time.perf_counter()
-        comp_u = unr.lower(params, layer_params, tok, pos[0], caches).compile()
-        r["unrolled_compile_s"] = time.perf_counter() - t0
-        rep_u, _ = hlo_report(comp_u)
-        r["unrolled_hlo"] = rep_u
-        state = {"c": caches}
-        del caches
-
-        def run_unr(k=nsteps):
-            c = state["c"]
-            for i in range(k):
-                lg, c = comp_u(params, layer_params, tok, pos[i], c)
-            lg.block_until_ready()
-            state["c"] = c
-            return lg
-        lg_u = np.asarray(run_unr(1))
-        r["unrolled_vs_scan_max_abs_logit_diff_first_step"] = float(np.max(np.abs(lg_u - ref_scan)))
-        run_unr(3)
-        t, _ = median_time(run_unr, S["reps"])
-        r["unrolled_step_ms"] = t / nsteps * 1e3
-        del state
+            def run(k=nsteps, comp=comp, state=state):
+                c = state["c"]
+                for i in range(k):
+                    lg, c = comp(params, tok, pos[i], c)
+                lg.block_until_ready()
+                state["c"] = c
+                return lg
+            first[name] = np.asarray(run(1))  # position prompt+0, the same random cache for both
+            run(3)
+            t, _ = median_time(run, S["reps"])
+            r[f"{name}_step_ms"] = t / nsteps * 1e3
+            del state
+        r["unrolled_vs_scan_max_abs_logit_diff_first_step"] = float(np.max(np.abs(first["unrolled"] - first["scan"])))
         d[str(B)] = r
-        log(f"[diag] B={B}: scan {r['scan_step_ms']:.3f} ms (cost bytes {rep['cost_analysis']}), "
-            f"unrolled {r['unrolled_step_ms']:.3f} ms (cost bytes {rep_u['cost_analysis']}); "
-            f"big ops scan: {[(b['op'], b['shape'], b['kind']) for b in rep['big_instructions']][:12]}")
+        log(f"[diag] B={B}: scan {r['scan_step_ms']:.3f} ms (cost bytes {r['scan_hlo']['cost_analysis']}), "
+            f"unrolled {r['unrolled_step_ms']:.3f} ms (cost bytes {r['unrolled_hlo']['cost_analysis']}); "
+            f"big ops scan: {[(b['op'], b['shape'], b['kind']) for b in r['scan_hlo']['big_instructions']][:12]}")
         save()
-    del layer_params, params
+    del params
 
     # attention core at T=2048, one layer: library attend (fp32 scores materialized) vs cuDNN flash
     T = S["prefill_len"]

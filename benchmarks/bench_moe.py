@@ -131,7 +131,7 @@ def stage_jax(S: dict, out: dict, save):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmodels import families, model as M
+    from jaxmodels import families, model as M, plan
     from jaxmodels.layers import moe
 
     t_start = time.perf_counter()
@@ -150,8 +150,8 @@ def stage_jax(S: dict, out: dict, save):
     nbytes = sum(v.nbytes for v in jax.tree.leaves(params))
     out["jax"]["init_params_s"] = time.perf_counter() - t0
     out["jax"]["param_bytes"] = int(nbytes)
-    log(f"[jax] params {nbytes / 1e9:.2f} GB in {out['jax']['init_params_s']:.1f} s; plan period "
-        f"{M.plan(cfg).period}, kinds {len(M.plan(cfg).kinds)}")
+    log(f"[jax] params {nbytes / 1e9:.2f} GB in {out['jax']['init_params_s']:.1f} s; plan runs "
+        f"{plan.plan(cfg).runs}, kinds {len(plan.plan(cfg).kinds)}")
     rng = np.random.default_rng(0)
     odir = Path(out["_out"])
 
@@ -167,7 +167,7 @@ def stage_jax(S: dict, out: dict, save):
     jax_decode(S, cfg, params, rng, out, save, on_compiled=on_compiled)
 
     # routing: distinct experts per layer call in decode steps over the same kind of random cache
-    spec = M.plan(cfg).kinds[0].mlp
+    spec = plan.plan(cfg).kinds[0].mlp
     hits: list[int] = []
     orig_route = moe.route
 

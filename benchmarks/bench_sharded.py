@@ -7,7 +7,6 @@ prefill at T=2048, and the time share of collectives (all-reduce etc., from a pr
         .venv/bin/python benchmarks/bench_sharded.py --tiny --out /tmp/bs       # CPU smoke test
 """
 import argparse
-import contextlib
 import glob
 import gzip
 import json
@@ -70,17 +69,15 @@ def main():
     plans = [("1 device", None, None), ("tensor=2", "tensor=2", "tp"), ("expert=2", "expert=2", "ep")]
     for label, spec, rules in plans:
         mesh = sharding.make_mesh(spec) if spec else None
-        use = (lambda: sharding.use(mesh, rules)) if mesh else contextlib.nullcontext
+        shard = sharding.Sharding.of(mesh, rules)
         params = jax.jit(lambda: M.init_params(cfg, 0, dtype=dtype),
                          out_shardings=sharding.shardings(cfg, mesh, rules) if mesh else None)()
         for B in (1, 64):
             def make_cache(B=B):
-                with use():
-                    return M.init_cache(cfg, B, 1024, dtype)
+                return M.init_cache(cfg, B, 1024, dtype, shard=shard)
 
             def step(p, t, pos, c):
-                with use():
-                    return M.decode_step(p, cfg, t, pos, c)
+                return M.decode_step(p, cfg, t, pos, c, shard=shard)
 
             f = jax.jit(step, donate_argnums=3)
             cache = jax.jit(make_cache)()
@@ -105,8 +102,7 @@ def main():
         T = 64 if a.tiny else 2048
 
         def fwd(p, x):
-            with use():
-                return M.forward(p, cfg, x)
+            return M.forward(p, cfg, x, shard=shard)
 
         g = jax.jit(fwd)
         x = jnp.zeros((1, T), jnp.int32)

@@ -37,9 +37,8 @@ def open_source(src: str | Path):
     return families.config_from_hf(hf), reader, families.get(families.model_type(hf)), tok
 
 
-def _plan_kw(fam, cfg) -> dict:
-    kw = {"derived": fam.derived}
-    return kw if fam.renames is None else kw | {"renames": fam.renames}
+def _plan_kw(fam) -> dict:
+    return {"derived": fam.derived} | ({} if fam.renames is None else {"renames": fam.renames})
 
 
 def read_source(src: str | Path, dtype: str = "float32", progress: bool = True, keep_quantized: bool = False,
@@ -55,7 +54,7 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool = True, 
         raise ValueError(f"keep_quantized applies to DeepSeek V4's FP8/FP4 checkpoints, not to {cfg.family}")
     if not fam.quantized:
         return cfg, import_params(reader, cfg, families.name_map(fam, cfg), dtype, progress, fam.skip,
-                                  **_plan_kw(fam, cfg)), tok
+                                  **_plan_kw(fam)), tok
     from converters import deepseek
 
     token_map = deepseek.engram_map(tok, cfg) if cfg.engram is not None and tok is not None else None
@@ -77,7 +76,7 @@ def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32
         raise NotImplementedError(f"{cfg.family}: importing onto a mesh is not supported yet; load it without "
                                   f"a mesh")
     params = import_sharded(reader, cfg, families.name_map(fam, cfg), sharding.shardings(cfg, mesh, rules), dtype,
-                            fam.skip, **_plan_kw(fam, cfg))
+                            fam.skip, **_plan_kw(fam))
     return cfg, params, tok
 
 

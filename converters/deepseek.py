@@ -6,12 +6,11 @@ of jaxmodels/families/deepseek_v4.py.
 block scales (32x32 in V4.1, 128x128 in V4), MXFP4 experts (packed int8 + E8M0 per 32), per-row FP8 Engram
 tables, `wo_a` rounded to bf16 as the reference does. Dequantised tensor by tensor, or kept as their bytes
 (`keep_quantized`: FP8 linears and FP4 experts as {"fp8"|"fp4", "scale"} in the checkpoint's [out, in] layout,
-expanded inside the matmul; Engram's table and wkv as `table` + `table_scale`, `wkv` + `wkv_scale`).
+expanded inside the matmul; Engram's table as `table` + `table_scale`, its rows expanded after the gather).
 """
 from __future__ import annotations
 
 import logging
-import re
 
 import numpy as np
 
@@ -59,14 +58,14 @@ class QuantReader:
         if name not in self._scale:
             return w
         s, canon = self.reader.get(self._scale[name]), canonical(name)
-        engram = re.search(r"\.engram\.(embed|wkv)\.weight$", canon)
-        if self.keep and engram:  # engram_inject's layout: bytes + E8M0 bytes beside them
+        engram = canon.endswith(".engram.embed.weight")
+        if self.keep and engram:  # gathered by row, then expanded: table bytes + E8M0 bytes beside them
             return Quantized({"": _raw(w), "_scale": dq.e8m0_bytes(s, name)})
         if self.keep and not canon.endswith(".wo_a.weight"):
             return Quantized({"/fp4" if self._packed(name) else "/fp8": _raw(w), "/scale": dq.e8m0_bytes(s, name)})
         if self._packed(name):
             return dq.dequant_fp4_experts(w, s, name=name)
-        if engram and engram.group(1) == "embed":
+        if engram:
             return dq.dequant_fp8_rows(w, s, name=name)
         block = _block(w, s, name)
         return dq.dequant_wo_a(w, s, block, name) if canon.endswith(".wo_a.weight") else dq.dequant_fp8_blocks(w, s, block, name)

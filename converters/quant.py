@@ -8,11 +8,6 @@ from jaxmodels.layers import qdq
 FP4_VALUES = qdq.FP4_TABLE  # e2m1 code -> value; low nibble = element 2j, high = element 2j+1 (hf_families.md §3.7)
 
 
-def e8m0_to_float(scales: np.ndarray) -> np.ndarray:
-    """E8M0 exponent bytes -> 2^(s - 127) as float32 (255 is NaN)."""
-    return qdq.e8m0_to_f32(np.asarray(scales, np.uint8))
-
-
 def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """MXFP4: blocks [..., G, 16] uint8 (two codes per byte), scales [..., G] E8M0 -> float32 [..., G*32]."""
     blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)

@@ -7,7 +7,8 @@ caches, compressed entries) and per-sequence state. This module lays them out:
   slots, the layout attention contracts without a transpose;
 - paged (the server, the TT generator): per pool a buffer [layers, blocks, heads, block_size, width] and per
   table group a block table [batch, blocks per sequence]. Logical slot s of sequence b lives in block
-  table[b, s // block_size] at offset s % block_size; rings cycle over their blocks. Specs that address slots
+  table[b, s // block_size] at offset s % block_size: the same logical slots as contiguous (a ring of W slots
+  cycles inside its ceil(W / block_size) blocks), so both layouts run the same arithmetic. Specs that address slots
   alike (same window / entries per token) share one table; buffers of different table groups whose entries
   agree (heads, width, dtype, layer count) share one pool, each group writing its own blocks (the
   `tensor_idx` sharing of vLLM's hybrid allocator and the TT generator).
@@ -95,7 +96,7 @@ def build(kind_specs, counts, batch: int, max_len: int, dtype, block_size: int =
                 pools.append((entry, o, set()))
                 shapes.append(((n, None, s.heads, block_size, s.width), dt))
             pools[b][2].add(t)
-            kref.append((s.name, Ref(b, t, nb * block_size)))
+            kref.append((s.name, Ref(b, t, S)))
         refs.append(tuple(kref))
         state.append(kstate)
     table_arrays = ()
@@ -161,7 +162,7 @@ class LayerCache:
         table = jnp.maximum(self.cache.tables[ref.table], 0)  # unallocated (-1) entries read block 0, masked
         g = buf[table]  # [B, nb, H, bs, w]
         B, nb, H, bs, w = g.shape
-        return g.transpose(0, 2, 1, 3, 4).reshape(B, H, nb * bs, w)
+        return g.transpose(0, 2, 1, 3, 4).reshape(B, H, nb * bs, w)[:, :, :ref.slots]
 
     def positions(self, name: str, last):
         """[B, S]: the position each slot holds once positions up to `last` [B] are written; -1 for none."""
@@ -179,10 +180,7 @@ class LayerCache:
             t = jnp.broadcast_to(jnp.arange(T), (x.shape[0], T))
             slot = jnp.where(t < lengths[:, None], (start[:, None] + t) % S, -1)
         else:  # only the last S positions survive: for each slot, the latest position it receives
-            last = start + lengths - 1
-            p = last[:, None] - (last[:, None] - jnp.arange(S)) % S
-            ok = (p >= start[:, None]) & (lengths[:, None] > 0)
-            t = jnp.clip(p - start[:, None], 0, T - 1)
+            t, ok = _latest(start, lengths, S, T)
             slot = jnp.where(ok, jnp.arange(S), -1)
             x = jnp.take_along_axis(x, t[:, None, :, None], axis=2)
         self._scatter(name, slot, x.transpose(0, 2, 1, 3))
@@ -223,9 +221,14 @@ class LayerCache:
     def fill(self, name: str, values, lengths):
         """A state ring [B, size, ...] from a prefill's values [B, T, ...]: slot s keeps the latest position
         p < lengths[b] with p % size == s (zeros where none)."""
-        size, T = self.get(name).shape[1], values.shape[1]
-        last = lengths[:, None] - 1
-        p = last - (last - jnp.arange(size)) % size
-        src = jnp.clip(p, 0, T - 1).reshape(p.shape + (1,) * (values.ndim - 2))
-        got = jnp.take_along_axis(values, src, axis=1)
-        self.set(name, jnp.where((p >= 0).reshape(src.shape), got, 0))
+        t, ok = _latest(jnp.zeros_like(lengths), lengths, self.get(name).shape[1], values.shape[1])
+        shape = t.shape + (1,) * (values.ndim - 2)
+        self.set(name, jnp.where(ok.reshape(shape), jnp.take_along_axis(values, t.reshape(shape), axis=1), 0))
+
+
+def _latest(start, lengths, S: int, T: int):
+    """For each of S ring slots, the latest position p of start .. start+lengths-1 (per row) with p % S == s:
+    its index p - start into the chunk of T, and whether there is one. [B, S] each."""
+    last = (start + lengths - 1)[:, None]
+    p = last - (last - jnp.arange(S)) % S
+    return jnp.clip(p - start[:, None], 0, T - 1), (p >= start[:, None]) & (lengths[:, None] > 0)

@@ -221,7 +221,8 @@ def layer_param_specs(cfg: ModelConfig, spec: LayerSpec) -> dict:
 
 
 def _tree_map(f, tree):
-    return {k: _tree_map(f, v) if isinstance(v, dict) else f(v) for k, v in tree.items()}
+    """f over the leaves; keys sorted, as jax.tree.map orders them (init and import draw in this order)."""
+    return {k: _tree_map(f, v) if isinstance(v, dict) else f(v) for k, v in sorted(tree.items())}
 
 
 @functools.lru_cache(maxsize=None)

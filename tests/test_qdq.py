@@ -488,21 +488,21 @@ def test_safetensors_raw_round_trip(tmp_path):
 
 # ---- keep-quantized matmuls ----
 
-def test_fp8_block_matmul_equals_dequant_matmul():
+def test_linear_over_kept_fp8_equals_dequant_matmul():
     rng = np.random.default_rng(6)
     w = rng.standard_normal((96, 160)).astype(np.float32) * 0.1
     q, s = dq.quantize_fp8_blocks(w, 32)
     wd = dq.dequant_fp8_blocks(q, s, 32)
     x = rng.standard_normal((2, 5, 160)).astype(np.float32)
     hi = jax.lax.Precision.HIGHEST
-    f = jax.jit(lambda x, q, s: qdq.fp8_block_matmul(x, q, s, 32))
-    y = f(x, q, s)
+    f = jax.jit(lambda x, q, s: qdq.linear(x, {"fp8": q, "scale": s}))
+    y = f(x, q.view(np.uint8), s)
     want = jnp.einsum("...i,oi->...o", x, wd, preferred_element_type=jnp.float32, precision=hi)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
     np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ wd.T.astype(np.float64), rtol=1e-5, atol=1e-5)
     # reference mode: FP8 activations per 32, bf16 out
     xb = x.astype(BF16)
-    y = jax.jit(lambda x, q, s: qdq.fp8_block_matmul(x, q, s, 32, act_quant=True, out_dtype=jnp.bfloat16))(xb, q, s)
+    y = jax.jit(lambda x, q, s: qdq.linear(x, {"fp8": q, "scale": s}, 32))(xb, q.view(np.uint8), s)
     xq, _, _ = act_quant_ref(xb)
     want = jnp.einsum("...i,oi->...o", jnp.asarray(xq), jnp.asarray(wd).astype(jnp.bfloat16),
                       preferred_element_type=jnp.float32, precision=hi).astype(jnp.bfloat16)
@@ -510,22 +510,22 @@ def test_fp8_block_matmul_equals_dequant_matmul():
     np.testing.assert_array_equal(bits(np.asarray(y)), bits(np.asarray(want)))
     # 128x128 blocks, ragged edges
     q2, s2 = dq.quantize_fp8_blocks(w[:, :150], 128)
-    y2 = jax.jit(lambda x, q, s: qdq.fp8_block_matmul(x, q, s, 128))(x[..., :150], q2, s2)
+    y2 = jax.jit(lambda x, q, s: qdq.linear(x, {"fp8": q, "scale": s}))(x[..., :150], q2.view(np.uint8), s2)
     np.testing.assert_allclose(np.asarray(y2), x[..., :150] @ dq.dequant_fp8_blocks(q2, s2, 128).T, rtol=1e-5,
                                atol=1e-5)
 
 
-def test_fp4_matmul_equals_dequant_matmul():
+def test_linear_over_kept_fp4_equals_dequant_matmul():
     rng = np.random.default_rng(8)
     w = rng.standard_normal((48, 128)).astype(np.float32)
     p, s = dq.quantize_fp4_experts(w)
     wd = dq.dequant_fp4_experts(p, s)
     x = rng.standard_normal((7, 128)).astype(np.float32)
-    y = jax.jit(lambda x, p, s: qdq.fp4_matmul(x, p, s))(x, p, s)
+    y = jax.jit(lambda x, p, s: qdq.linear(x, {"fp4": p, "scale": s}))(x, p, s)
     want = jnp.einsum("...i,oi->...o", x, wd, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
     np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ wd.T.astype(np.float64), rtol=1e-5, atol=1e-4)
-    yb = jax.jit(lambda x, p, s: qdq.fp4_matmul(x, p, s, act_quant=True))(x.astype(BF16), p.view(np.uint8), s)
+    yb = jax.jit(lambda x, p, s: qdq.linear(x, {"fp4": p, "scale": s}, 32))(x.astype(BF16), p.view(np.uint8), s)
     assert yb.dtype == jnp.bfloat16
     want = jnp.einsum("...i,oi->...o", jnp.asarray(act_quant_ref(x.astype(BF16))[0]), jnp.asarray(wd).astype(
         jnp.bfloat16), preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)

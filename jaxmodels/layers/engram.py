@@ -2,7 +2,7 @@
 
 Spec: specs/deepseek_v4.md §7 (REF41 `Engram`, REF41-eng `engram.py`), §12 trap 22.
 
-Host side (NumPy, int64): `build_compressed_token_map`, `EngramLayout.from_config`, `ngram_hashes_np`.
+Host side (NumPy): `build_compressed_token_map`, `EngramLayout.from_config`.
 
 Device side: `hash_window` / `ngram_hashes` compute the same hash columns in jit-able JAX with 32-bit
 integers only. Why: generate() is one jitted program, so the hash of each new token must be computed inside
@@ -26,8 +26,8 @@ C = (max_ngram-1)*n_heads = 24):
                             together with `table_scale` [R, H/32] uint8 E8M0 bytes (rows dequantised after the gather)
   wkv       [C*H, (n+1)*D]  (in, out) layout: the checkpoint's `engram.wkv.weight` [(n+1)*D, C*H] transposed.
                             Columns [0, n*D) are the n keys (stream-major), [n*D, (n+1)*D) the shared value.
-                            Alternatively kept quantized in the checkpoint layout: `wkv` float8_e4m3fn
-                            [(n+1)*D, C*H] + `wkv_scale` [(n+1)*D/32, C*H/32] uint8 E8M0 bytes.
+                            Or kept quantized in the checkpoint layout: {"fp8": e4m3 bytes [(n+1)*D, C*H],
+                            "scale": E8M0 bytes [(n+1)*D/32, C*H/32]} (qdq.linear).
   q_weight  [n, D], k_weight [n, D]   only their product is used.
 """
 from __future__ import annotations
@@ -164,39 +164,6 @@ def _layout(layer_ids, max_ngram, vocab_size, n_heads, compressed_vocab) -> Engr
     return EngramLayout(layer_ids, max_ngram, n_heads, vocab_size, compressed_vocab, tuple(primes), offsets, mults)
 
 
-def ngram_tokens_np(compressed_ids, max_ngram: int, pad_id: int, dead_mask=None) -> np.ndarray:
-    """[B, S] compressed ids -> [B, S, max_ngram] (shift 0 = the token itself), blocked slots = pad_id.
-
-    Blocking is cumulative (§7.1 step 4): once the look-back passes the sequence start or a DEAD token, that
-    slot and every older one is pad.
-    """
-    ids = np.asarray(compressed_ids, np.int64)
-    if dead_mask is not None:
-        ids = np.where(np.asarray(dead_mask, bool), DEAD, ids)
-    B, S = ids.shape
-    pos = np.arange(S)
-    out = np.empty((B, S, max_ngram), np.int64)
-    blocked = np.zeros((B, S), bool)
-    for shift in range(max_ngram):
-        src = ids[:, np.clip(pos - shift, 0, None)]
-        blocked |= (pos < shift)[None] | (src == DEAD)
-        out[..., shift] = np.where(blocked, pad_id, src)
-    return out
-
-
-def ngram_hashes_np(compressed_ids, layout: EngramLayout, pad_id: int, dead_mask=None) -> np.ndarray:
-    """Hash columns int64 [B, S, n_layers, n_cols] (§7.1 steps 4-5), in NumPy int64 as the reference."""
-    tok = ngram_tokens_np(compressed_ids, layout.max_ngram, pad_id, dead_mask)
-    mult = np.array(layout.multipliers, np.int64)  # [L, n]
-    prod = tok[:, :, None, :] * mult  # < 2^63 by construction
-    primes = layout.flat_primes().reshape(len(layout.layer_ids), layout.max_ngram - 1, layout.n_heads)
-    roll, cols = prod[..., 0], []
-    for i in range(1, layout.max_ngram):
-        roll = roll ^ prod[..., i]
-        cols.append(roll[..., None] % primes[:, i - 1])
-    return np.concatenate(cols, axis=-1) + np.array(layout.offsets, np.int64)
-
-
 # ----------------------------------------------------------------------------------------- device side
 def _u32(x):
     return jnp.asarray(x, jnp.uint32)
@@ -271,7 +238,7 @@ def ngram_windows(compressed_ids, max_ngram: int, dead_mask=None, history=None):
 
 
 def ngram_hashes(compressed_ids, layout: EngramLayout, pad_id, dead_mask=None, history=None):
-    """JAX twin of `ngram_hashes_np` (int32 result); see `ngram_windows` for `history`."""
+    """Hash columns int32 [B, S, n_layers, n_cols] of compressed ids [B, S]; see `ngram_windows` for `history`."""
     return hash_window(ngram_windows(compressed_ids, layout.max_ngram, dead_mask, history), pad_id, layout)
 
 
@@ -288,20 +255,12 @@ def engram_inject(p, X, cols, token_mask=None, eps: float = 1e-20, *, act_quant:
     """§7.2: X [B, S, n, D] -> X with the gated n-gram value added to every stream (X's dtype).
 
     cols int [B, S, C] (this layer's hash columns); token_mask [B, S] bool, False closes the gate (image
-    tokens). act_quant=True applies the reference's FP8 activation QDQ before `wkv` (it is an FP8 linear in
-    REF41) and rounds its output to bf16; with a kept-quantized `wkv` (+ `wkv_scale`) that is the reference path.
+    tokens). act_quant=True applies the reference's FP8 activation QDQ before `wkv` (an FP8 linear in REF41).
     """
     B, S, n, D = X.shape
     dt = X.dtype
     e = _gather_rows(p, cols, dt).reshape(B, S, -1)  # [B, S, C*H]
-    if "wkv_scale" in p:
-        kv = qdq.fp8_block_matmul(e, p["wkv"], p["wkv_scale"], 32, act_quant=act_quant,
-                                  out_dtype=dt)
-    else:
-        if act_quant:
-            e = qdq.act_quant_fp8(e, 32)
-        kv = jnp.einsum("bsi,io->bso", e, p["wkv"].astype(dt), preferred_element_type=F32,
-                        precision=jax.lax.Precision.HIGHEST).astype(dt)
+    kv = qdq.linear(e, p["wkv"], 32 if act_quant else None)
     key = kv[..., : n * D].astype(F32).reshape(B, S, n, D)
     val = kv[..., n * D:].astype(F32)
     w = p["q_weight"].astype(F32) * p["k_weight"].astype(F32)

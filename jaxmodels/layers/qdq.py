@@ -20,10 +20,10 @@ Known limit: XLA:CPU flushes float32 subnormals to zero. Inputs whose magnitude 
 subnormals) can therefore differ from the torch kernel in the e8m0 FP4 path, and E8M0 scale bytes below
 ~10 (scales under 2^-117) can flush dequantised weights. Real activations and checkpoints stay far from both.
 
-Keep-quantized matmuls (`fp8_block_matmul`, `fp4_matmul`) hold the weight as stored ([O, I] e4m3 or packed
-e2m1, E8M0 bytes as uint8) and dequantise inside the jitted computation. An e4m3 or e2m1 value times a power
-of two is exactly representable in bf16 as well as fp32, so dequantising to the compute dtype loses nothing
-and the result equals dequant-then-matmul.
+Weights kept quantized (`linear` on {"fp8"|"fp4", "scale"}) stay as stored ([O, I] e4m3 or packed e2m1, E8M0
+bytes as uint8) and are dequantised inside the jitted computation. An e4m3 or e2m1 value times a power of two
+is exactly representable in bf16 as well as fp32, so dequantising to the compute dtype loses nothing and the
+result equals dequant-then-matmul. The decoders serve host import (NumPy in, NumPy out) and device alike.
 """
 from __future__ import annotations
 
@@ -277,32 +277,3 @@ def linear(x, w, act_block: int | None = None):
         wt = dequant(w, x.dtype) if isinstance(w, dict) else w.astype(x.dtype)
     out = jnp.einsum("...i,oi->...o" if isinstance(w, dict) else "...i,io->...o", xw, wt)
     return out.astype(x.dtype)
-
-
-def _matmul(x, w, act_quant, out_dtype, compute_dtype):
-    if act_quant:  # the reference's FP8 linear: activations QDQ'd per 32 (UE8M0) before the GEMM
-        x = act_quant_fp8(x, 32)
-    y = jnp.einsum("...i,oi->...o", x.astype(compute_dtype), w, preferred_element_type=F32,
-                   precision=lax.Precision.HIGHEST)
-    return y.astype(out_dtype or x.dtype)
-
-
-def fp8_block_matmul(x, w_q, w_scale, block=32, *, act_quant: bool = False, out_dtype=None, compute_dtype=None):
-    """y = x @ W.T with W = dequant_fp8(w_q, w_scale) built inside the computation; fp32 accumulation.
-
-    x [..., I]; w_q [O, I] float8_e4m3fn; w_scale [ceil(O/B), ceil(I/B)] uint8 E8M0 bytes. `act_quant=True`
-    adds the reference's FP8 activation QDQ (set out_dtype=bfloat16 to match REF41 `linear`).
-    compute_dtype (default x.dtype) is the dtype W is dequantised to; exact for bf16 and fp32.
-    """
-    cd = compute_dtype or x.dtype
-    return _matmul(x, dequant_fp8(w_q, w_scale, block, cd), act_quant, out_dtype, cd)
-
-
-def fp4_matmul(x, w_packed, w_scale, block: int = 32, *, act_quant: bool = False, out_dtype=None,
-               compute_dtype=None):
-    """y = x @ W.T with W = dequant_fp4(w_packed, w_scale) built inside the computation; fp32 accumulation.
-
-    x [..., I]; w_packed [O, I/2] uint8/int8; w_scale [O, I/32] uint8 E8M0 bytes. act_quant as fp8_block_matmul.
-    """
-    cd = compute_dtype or x.dtype
-    return _matmul(x, dequant_fp4(w_packed, w_scale, block, cd), act_quant, out_dtype, cd)

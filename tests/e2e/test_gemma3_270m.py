@@ -151,11 +151,11 @@ def test_config_matches_hf(ours, hf_model):
 
 def test_norm_offset_removed(ours, hf_model, gguf_file):
     """llama.cpp stored every Gemma RMSNorm weight as w+1; both importers take the 1 back off."""
-    from jaxmodels import model as jm_model
+    from jaxmodels import plan as jm_plan
 
     sd = hf_model.state_dict()
     np.testing.assert_array_equal(np.asarray(ours.params["final_norm"]), sd["model.norm.weight"].numpy())
-    pl = jm_model.plan(ours.config)
+    pl = jm_plan.plan(ours.config)
     ours_to_hf = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
                   "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
                   "attn/q_norm": "self_attn.q_norm", "attn/k_norm": "self_attn.k_norm"}

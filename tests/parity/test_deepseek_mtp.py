@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 
 import converters
-from converters import deepseek_mtp as cm
+from converters import deepseek as cm
 from converters import deepseek_quant as dq
 from converters.safetensors_io import CheckpointError, SafetensorsReader
-from jaxmodels import deepseek as ds
-from jaxmodels import deepseek_mtp as dm
+from jaxmodels import deepseek_mtp as dm, plan
 from jaxmodels.families import deepseek_v4 as fam
 from tests.oracles import deepseek_ckpt as ck
 from tests.oracles import deepseek_v41 as oracle
@@ -97,7 +96,8 @@ def _compare(ours, ref, tol):
 
 def test_dspark_matches_oracle(v41, plain):
     _, cfg, _, _ = v41
-    assert (cfg.mtp_layers, cfg.mtp_num_experts, cfg.mtp_top_k, cfg.dspark_block_size) == (2, 8, 3, 2)
+    t = cfg.mtp
+    assert (t.layers, t.layer.mlp.num_experts, t.layer.mlp.top_k, t.block_size) == (2, 8, 3, 2)
     _, ours, ref = plain
     _compare(ours, ref, TOL)
     assert np.abs(ref[2]).max() > 0.1 and np.abs(ref[0]).max() > 1  # non-trivial outputs
@@ -125,7 +125,7 @@ def test_dspark_window(v41, plain):
     give the same draft as the mains."""
     path, cfg, params, token_map = v41
     mains, full, _ = plain
-    W, first = cfg.window, jnp.asarray(FIRST, jnp.int32)
+    W, first = cfg.mtp.layer.attention.window, jnp.asarray(FIRST, jnp.int32)
     cache = dm.dspark_init_cache(cfg, 2, jnp.float32)
     pad = jnp.concatenate([mains[:, :30], jnp.full_like(mains[:, :3], 1e3)], 1)  # padding past the lengths
     cache = jax.jit(dm.dspark_prefill_cache, static_argnums=1)(params, cfg, cache, pad, jnp.asarray([30, 30]))
@@ -148,7 +148,7 @@ def test_dspark_keep_quantized(v41, plain):
     mains, full, _ = plain
     q = cm.import_mtp(SafetensorsReader(path), cfg, keep_quantized=True)
     assert set(q["mtp"]["0"]["main_proj"]) == {"fp8", "scale"}
-    assert set(q["mtp"]["1"]["ffn"]["w_down"]) == {"fp4", "scale"}
+    assert set(q["mtp"]["1"]["mlp"]["w_down"]) == {"fp4", "scale"}
     qp = {**params, "mtp": jax.tree.map(jnp.asarray, q["mtp"])}
     for a, b in zip(full, _draft(qp, cfg, mains, jnp.asarray(FIRST, jnp.int32), jnp.int32(39))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
@@ -164,19 +164,20 @@ def test_mtp_import_exact_and_hf_spelling(v41):
     path, cfg, params, _ = v41
     ref = oracle.load_checkpoint(str(path)).w
     P = params["mtp"]
+    m = cfg.mtp.layer.attention.mla
     pairs = {"mtp.0.main_proj.weight": P["0"]["main_proj"].T,  # FP8 32x32 blocks
              "mtp.0.main_norm.weight": P["0"]["main_norm"],
-             "mtp.1.ffn.experts.7.w2.weight": P["1"]["ffn"]["w_down"][7].T,  # MXFP4, the 8th of 8 experts
+             "mtp.1.ffn.experts.7.w2.weight": P["1"]["mlp"]["w_down"][7].T,  # MXFP4, the 8th of 8 experts
              "mtp.0.attn.wo_a.weight": np.asarray(P["0"]["attn"]["wo_a"]).transpose(0, 2, 1).reshape(
-                 cfg.o_groups * cfg.o_lora_rank, -1),
+                 m.o_groups * m.o_lora_rank, -1),
              "mtp.1.markov_head.embed.weight": P["1"]["markov_head"]["embed"],
              "mtp.1.markov_head.head.weight": P["1"]["markov_head"]["head"].T,
              "mtp.1.confidence_head.proj.weight": P["1"]["confidence_head"]["proj"].T,
-             "mtp.1.norm.weight": P["1"]["norm"], "mtp.0.hc_ffn_fn": P["0"]["hc_ffn"]["fn"]}
+             "mtp.1.norm.weight": P["1"]["norm"], "mtp.0.hc_ffn_fn": P["0"]["hc_mlp"]["fn"]}
     for name, ours in pairs.items():
         assert np.array_equal(np.asarray(ours, np.float64), ref[name]), name
     assert "main_proj" not in P["1"] and "markov_head" not in P["0"]
-    assert jax.tree.map(lambda a: tuple(np.shape(a)), P) == dm.mtp_param_shapes(cfg)["mtp"]
+    assert jax.tree.map(lambda a: tuple(np.shape(a)), P) == _shapes(plan.mtp_param_specs(cfg))["mtp"]
     # HF spelling (model. prefix, self_attn / mlp, weight_scale_inv, e_score_correction_bias) + shared copies
     t = _tensors(path)
     hf = {}
@@ -214,9 +215,9 @@ def test_mtp_import_errors(v41):
     assert "unexpected tensor 'mtp.0.attn.compressor.wkv.weight'" in attempt(  # DSpark blocks are window-only
         lambda d: d.update({"mtp.0.attn.compressor.wkv.weight": np.zeros((64, 256), np.float32)}))
     assert "shape" in attempt(lambda d: d.update({"mtp.1.confidence_head.proj.weight": np.zeros((1, 256), np.float32)}))
-    assert "no MTP layers" in attempt(lambda d: None, dataclasses.replace(cfg, dspark_block_size=0))
+    assert "no MTP layers" in attempt(lambda d: None, dataclasses.replace(cfg, mtp=None))
     # a config without MTP and a checkpoint without mtp.* import to nothing
-    assert cm.import_mtp(DictReader({}), dataclasses.replace(cfg, mtp_layers=0)) == {}
+    assert cm.import_mtp(DictReader({}), dataclasses.replace(cfg, mtp=None)) == {}
 
 
 # ------------------------------------------------------------------------------------------- V4 classic MTP
@@ -235,17 +236,18 @@ def _np_mtp_v4(cfg, params, h, tokens):
     clamp, shared expert), the MTP's own hc_head collapse, its norm, the shared head."""
     f = lambda a: np.asarray(a, np.float64)  # noqa: E731
     p = jax.tree.map(f, params["mtp"]["0"])
-    eps, n, T = cfg.norm_eps, cfg.hc_mult, tokens.shape[1]
-    H, d, W, G = cfg.num_heads, cfg.head_dim, cfg.window, cfg.o_groups
+    c = _fields(cfg)
+    eps, n, T = cfg.norm_eps, c.hc_mult, tokens.shape[1]
+    H, d, W, G = cfg.num_heads, cfg.head_dim, c.window, c.o_groups
     rms = lambda x, w: oracle.rms_norm(x, w, eps)  # noqa: E731
     e = rms(f(params["embed"])[tokens], p["enorm"]) @ p["e_proj"]
     X = e[:, :, None, :] + rms(f(h), p["hnorm"]) @ p["h_proj"]
 
     def mixes(X, q):
-        return oracle.mixes_sinkhorn(X, q["fn"], q["base"], q["scale"], n, cfg.hc_iters, cfg.hc_eps, eps)
+        return oracle.mixes_sinkhorn(X, q["fn"], q["base"], q["scale"], n, c.hc_iters, c.hc_eps, eps)
 
     pos = np.arange(T)
-    fr = oracle.rope_freqs(cfg.rope_dim, cfg.rope_theta)
+    fr = oracle.rope_freqs(c.rope_dim, c.rope_theta)
     a = p["attn"]
     pA, qA, cA = mixes(X, p["hc_attn"])
     x = rms(oracle.hc_collapse(X, pA), p["attn_norm"])
@@ -253,35 +255,52 @@ def _np_mtp_v4(cfg, params, h, tokens):
     q = oracle.apply_rope(q / np.sqrt(np.mean(q * q, -1, keepdims=True) + eps), pos, fr)
     kv = oracle.apply_rope(rms(x @ a["wkv"], a["kv_norm"]), pos, fr)
     mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - W)
-    o = oracle.apply_rope(oracle.sparse_attention(q, kv, mask, None, None, a["sink"], d ** -0.5), pos, fr, inverse=True)
+    o = oracle.apply_rope(oracle.sparse_attention(q, kv, mask, None, None, a["sinks"], d ** -0.5), pos, fr, inverse=True)
     u = np.einsum("btgi,gir->btgr", o.reshape(*o.shape[:2], G, -1), a["wo_a"]).reshape(*o.shape[:2], -1)
     X = oracle.hc_expand(u @ a["wo_b"], X, qA, cA)
-    pF, qF, cF = mixes(X, p["hc_ffn"])
-    x = rms(oracle.hc_collapse(X, pF), p["ffn_norm"])
-    m = p["ffn"]
-    s = np.sqrt(np.logaddexp(0.0, x @ m["gate"]))
-    sel = oracle.topk_mask(s + m["bias"], cfg.top_k)
+    pF, qF, cF = mixes(X, p["hc_mlp"])
+    x = rms(oracle.hc_collapse(X, pF), p["mlp_norm"])
+    m = p["mlp"]
+    s = np.sqrt(np.logaddexp(0.0, x @ m["router"]))
+    sel = oracle.topk_mask(s + m["selection_bias"], c.top_k)
     w = np.where(sel, s, 0.0)
-    w = w / w.sum(-1, keepdims=True) * cfg.route_scale
+    w = w / w.sum(-1, keepdims=True) * c.route_scale
 
     def expert(x, wg, wu, wd):
-        g, up = np.minimum(x @ wg, cfg.swiglu_limit), np.clip(x @ wu, -cfg.swiglu_limit, cfg.swiglu_limit)
+        g, up = np.minimum(x @ wg, c.swiglu_limit), np.clip(x @ wu, -c.swiglu_limit, c.swiglu_limit)
         return (oracle.silu(g) * up) @ wd
 
     y = expert(x, m["shared"]["w_gate"], m["shared"]["w_up"], m["shared"]["w_down"])
-    for k in range(cfg.num_experts):
+    for k in range(c.num_experts):
         y = y + w[..., k:k + 1] * expert(x, m["w_gate"][k], m["w_up"][k], m["w_down"][k])
     X = oracle.hc_expand(y, X, qF, cF)
     xf = X.reshape(*X.shape[:2], -1)
     mh = (xf @ p["hc_head"]["fn"].T) / np.sqrt(np.mean(xf * xf, -1, keepdims=True) + eps)
-    pre = oracle.sigmoid(mh * p["hc_head"]["scale"][0] + p["hc_head"]["base"]) + cfg.hc_eps
-    return rms(oracle.hc_collapse(X, pre), p["norm"]) @ f(params["head"])
+    pre = oracle.sigmoid(mh * p["hc_head"]["scale"][0] + p["hc_head"]["base"]) + c.hc_eps
+    return rms(oracle.hc_collapse(X, pre), p["norm"]) @ f(params["lm_head"])
+
+
+def _fields(cfg):
+    """The V4 MTP block's settings, by the names the transcription above uses."""
+    from types import SimpleNamespace
+
+    L = cfg.mtp.layer
+    m = L.attention.mla
+    return SimpleNamespace(hc_mult=L.mhc.copies, hc_iters=L.mhc.sinkhorn_iters, hc_eps=L.mhc.eps,
+                           window=L.attention.window, o_groups=m.o_groups, o_lora_rank=m.o_lora_rank,
+                           rope_dim=m.rope_dim, rope_theta=L.attention.rope.theta, top_k=L.mlp.top_k,
+                           route_scale=L.mlp.route_scale, swiglu_limit=L.mlp.clamp_limit,
+                           num_experts=L.mlp.num_experts)
+
+
+def _shapes(specs):
+    return jax.tree.map(lambda s: s.shape, specs, is_leaf=lambda s: isinstance(s, plan.ParamSpec))
 
 
 def _v4_params(cfg, seed=0):
     """NumPy draws (one jax.random compile per leaf shape would dominate the test): 1-D leaves ~1, the rest ~0.2."""
     rng = np.random.default_rng(seed)
-    shapes = {**ds.param_shapes(cfg), **dm.mtp_param_shapes(cfg)}
+    shapes = _shapes({**plan.param_specs(cfg), **plan.mtp_param_specs(cfg)})
     return jax.tree.map(lambda s: ((1.0 if len(s) == 1 else 0.0) + 0.2 * rng.standard_normal(s)).astype(np.float32),
                         shapes, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -290,20 +309,22 @@ def _v4_checkpoint(cfg, p):
     """V4 MTP params -> DeepSeek bare-name tensors (`mtp.0.*`, weights [out, in]); e_proj FP8 with 128x128 blocks."""
     T = lambda a: np.ascontiguousarray(a.T)  # noqa: E731
     out = {f"mtp.0.{k}.weight": T(p[k]) for k in ("e_proj", "h_proj")}
-    out |= {f"mtp.0.{k}.weight": p[k] for k in ("enorm", "hnorm", "norm", "attn_norm", "ffn_norm")}
+    out |= {f"mtp.0.{k}.weight": p[k] for k in ("enorm", "hnorm", "norm", "attn_norm")}
+    out["mtp.0.ffn_norm.weight"] = p["mlp_norm"]
     for k in ("fn", "base", "scale"):
         out |= {f"mtp.0.hc_head_{k}": p["hc_head"][k], f"mtp.0.hc_attn_{k}": p["hc_attn"][k],
-                f"mtp.0.hc_ffn_{k}": p["hc_ffn"][k]}
-    a, f = p["attn"], p["ffn"]
+                f"mtp.0.hc_ffn_{k}": p["hc_mlp"][k]}
+    a, f = p["attn"], p["mlp"]
+    m = cfg.mtp.layer.attention.mla
     out |= {f"mtp.0.attn.{k}.weight": T(a[k]) for k in ("wq_a", "wq_b", "wkv", "wo_b")}
     out |= {f"mtp.0.attn.{k}.weight": a[k] for k in ("q_norm", "kv_norm")}
-    out["mtp.0.attn.attn_sink"] = a["sink"]
+    out["mtp.0.attn.attn_sink"] = a["sinks"]
     out["mtp.0.attn.wo_a.weight"] = np.ascontiguousarray(a["wo_a"].transpose(0, 2, 1).reshape(
-        cfg.o_groups * cfg.o_lora_rank, -1))
-    out |= {"mtp.0.ffn.gate.weight": T(f["gate"]), "mtp.0.ffn.gate.bias": f["bias"]}
+        m.o_groups * m.o_lora_rank, -1))
+    out |= {"mtp.0.ffn.gate.weight": T(f["router"]), "mtp.0.ffn.gate.bias": f["selection_bias"]}
     for w, k in (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down")):
         out[f"mtp.0.ffn.shared_experts.{w}.weight"] = T(f["shared"][k])
-        out |= {f"mtp.0.ffn.experts.{e}.{w}.weight": T(f[k][e]) for e in range(cfg.num_experts)}
+        out |= {f"mtp.0.ffn.experts.{e}.{w}.weight": T(f[k][e]) for e in range(cfg.mtp.layer.mlp.num_experts)}
     q, sc = dq.quantize_fp8_blocks(out["mtp.0.e_proj.weight"], 128)
     out["mtp.0.e_proj.weight"], out["mtp.0.e_proj.scale"] = q, sc.view(np.uint8)
     out["mtp.0.head.weight"] = np.zeros((cfg.vocab_size, cfg.hidden_size), np.float32)  # shared: dropped
@@ -329,11 +350,12 @@ def test_v4_mtp_import():
 
 def test_v4_mtp_matches_numpy():
     cfg = fam.config(V4_TINY)
-    assert not cfg.v41 and dm.has_mtp(cfg) and cfg.mtp_num_experts == 0  # V4: the backbone's expert counts
+    assert cfg.mtp.kind == "classic" and dm.has_mtp(cfg)  # V4: the backbone's expert counts
+    assert cfg.mtp.layer.mlp == cfg.layers[0].mlp
     params = jax.tree.map(jnp.asarray, _v4_params(cfg))
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 20)), jnp.int32)
     _, mains, stream = _backbone(params, cfg, tokens)
-    assert mains is None and stream.shape == (2, 20, cfg.hc_mult, cfg.hidden_size)
+    assert mains is None and stream.shape == (2, 20, cfg.mhc.copies, cfg.hidden_size)
     nxt = jnp.roll(tokens, -1, axis=1)  # the token at t+1 for each position (the last column is a stand-in)
     mlog, out = jax.jit(lambda p, h, t: dm.mtp_forward(p, cfg, h, t))(params, stream, nxt)
     assert mlog.shape == (2, 20, cfg.vocab_size) and out.shape == stream.shape

@@ -8,14 +8,16 @@ checked with a recording executor.
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
+
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmodels import families, model as M
+from jaxmodels import families, model as M, plan
 from tt_backend import generator as G, paged_cache as pc
 
 BS = 32
@@ -45,9 +47,13 @@ class JaxPagedExecutor:
 
     def __init__(self, cfg, params):
         self.config, self.params = cfg, params
-        self.plan = M.plan(cfg)
+        self.plan = plan.plan(cfg)
 
     def _layer_cache(self, caches, layer):
+        """({"k", "v"} [L, B, K, S, d] of the layer's kind, its rank) from a contiguous jaxmodels Cache or
+        its dicts (as `_dicts` gives them)."""
+        if not isinstance(caches, list):
+            caches = _dicts(caches)
         return caches[self.plan.kind_of[layer]], self.plan.rank_of[layer]
 
     def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners):
@@ -58,7 +64,8 @@ class JaxPagedExecutor:
         page_tables = [np.pad(t, ((0, B - n), (0, 0)), constant_values=-1) for t in page_tables]
         active = positions >= 0
         pos = np.where(active, positions, 0)
-        caches = [{k: np.array(v) for k, v in c.items()} for c in M.init_cache(cfg, B, MAX_LEN, jnp.float32)]
+        empty = M.init_cache(cfg, B, MAX_LEN, jnp.float32)
+        caches = _dicts(empty)
         for layer in range(cfg.num_layers):
             c, r = self._layer_cache(caches, layer)
             slots, m = c["k"].shape[3], cache_position_modulo[layer]
@@ -73,7 +80,7 @@ class JaxPagedExecutor:
                     seq = pc.gather_sequence(kv_cache[layer][kv_i], page_tables[layer][b], m or p + 1)
                     c[name][r, b][:, ok] = seq[:, (q[ok] % m) if m else q[ok]]
         logits, new = _decode(self.params, cfg, jnp.asarray(tokens, jnp.int32), jnp.asarray(pos, jnp.int32),
-                              tuple({k: jnp.asarray(v) for k, v in c.items()} for c in caches))
+                              _with_dicts(empty, caches))
         idx = np.where(active, positions, -1)
         for layer in range(cfg.num_layers):
             c, r = self._layer_cache(new, layer)
@@ -112,6 +119,19 @@ class JaxPagedExecutor:
         return np.asarray(logits)[0]
 
 
+def _dicts(cache):
+    """A contiguous jaxmodels Cache as per-kind {slot spec name: NumPy [layers, batch, heads, slots, width]}."""
+    return [{name: np.array(cache.buffers[r.buffer]) for name, r in refs} for refs in cache.layout.kinds]
+
+
+def _with_dicts(cache, dicts):
+    buffers = list(cache.buffers)
+    for refs, d in zip(cache.layout.kinds, dicts):
+        for name, r in refs:
+            buffers[r.buffer] = jnp.asarray(d[name])
+    return dataclasses.replace(cache, buffers=tuple(buffers))
+
+
 class RecordingExecutor:
     """Records what the generator hands an executor; returns logits that encode (token, position)."""
 
@@ -143,7 +163,7 @@ def _params(cfg, seed):
     """Random weights, norms included (NumPy: `init_params` dispatches op by op and takes seconds)."""
     rng = np.random.default_rng(seed)
     offset = cfg.norm == "gemma"  # (1 + w) norms
-    shapes = M.param_shapes(cfg)
+    shapes = plan.param_shapes(cfg)
 
     def leaf(path, shape):
         if "norm" in str(path[-1]):

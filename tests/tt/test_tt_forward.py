@@ -20,7 +20,7 @@ import pytest
 
 import jaxmodels as jm
 import tt_backend
-from jaxmodels import families, model as M
+from jaxmodels import families, model as M, plan
 from jaxmodels.config import MLPSpec
 from tests.tt.test_emu_ops import comp_pcc
 from tt_backend import Executor
@@ -87,7 +87,7 @@ def tiny_model(name: str, seed: int = 0) -> jm.Model:
         return 0.05 * rng.standard_normal(shape, np.float32)
 
     params: dict = {}
-    for path, shape in M.flat_shapes(cfg).items():  # NumPy only: no JAX work to build a tiny model
+    for path, shape in plan.flat_shapes(cfg).items():  # NumPy only: no JAX work to build a tiny model
         *parents, leaf = path.split("/")
         node = params
         for k in parents:
@@ -131,11 +131,11 @@ def _reference(model, tokens):
 def _hidden_after(model, tokens, n_layers):
     """jaxmodels' hidden state after the first `n_layers` layers (the truncated model's executor)."""
     cfg = dataclasses.replace(model.config, layers=model.config.layers[:n_layers])
-    pl = M.plan(cfg)
+    pl = plan.plan(cfg)
     layers = {str(k): jax.tree.map(lambda a, c=c: a[:c], model.params["layers"][str(k)]) for k, c in enumerate(pl.counts)}
     tok = np.asarray(tokens)[None]
     pos = np.arange(tok.shape[1], dtype=np.int32)[None]
-    x, _ = M._hidden(cfg, {**model.params, "layers": layers}, tok, pos, "full")
+    x, _, _ = M.hidden({**model.params, "layers": layers}, cfg, tok, pos, "full")
     return np.asarray(x)[0]
 
 
