@@ -44,6 +44,9 @@ def configs() -> dict:
     no_engram = lambda c, layers: dataclasses.replace(  # noqa: E731
         c, layers=tuple(dataclasses.replace(s, engram=-1) for s in layers), engram=None)
     return {"v4.1-flash roles 2,3,20,24": no_engram(v41, tuple(v41.layers[i] for i in (2, 3, 20, 24))),
+            # every layer kind of the plan once (Engram on 1 and 14): the depth-free part of the 40-layer cost
+            "v4.1-flash each kind once": dataclasses.replace(v41, layers=tuple(v41.layers[i] for i in
+                                                                               (0, 1, 2, 3, 14, 20, 21, 24))),
             "v4.1-flash 40 layers, Engram": v41,
             "v4-flash first 4 layers": dataclasses.replace(v4, layers=v4.layers[:4]),
             "v4-flash 43 layers": v4}

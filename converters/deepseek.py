@@ -59,10 +59,12 @@ class QuantReader:
             return w
         s, canon = self.reader.get(self._scale[name]), canonical(name)
         engram = canon.endswith(".engram.embed.weight")
-        if self.keep and engram:  # gathered by row, then expanded: table bytes + E8M0 bytes beside them
-            return Quantized({"": _raw(w), "_scale": dq.e8m0_bytes(s, name)})
         if self.keep and not canon.endswith(".wo_a.weight"):
-            return Quantized({"/fp4" if self._packed(name) else "/fp8": _raw(w), "/scale": dq.e8m0_bytes(s, name)})
+            packed = self._packed(name)
+            raw = dq.packed_fp4_bytes(w, name) if packed else dq.e4m3_array(w, name).view(np.uint8)
+            if engram:  # gathered by row, then expanded: table bytes + E8M0 bytes beside them
+                return Quantized({"": raw, "_scale": dq.e8m0_bytes(s, name)})
+            return Quantized({"/fp4" if packed else "/fp8": raw, "/scale": dq.e8m0_bytes(s, name)})
         if self._packed(name):
             return dq.dequant_fp4_experts(w, s, name=name)
         if engram:
@@ -80,16 +82,6 @@ def _block(w, s, name) -> int:
         if (-(-w.shape[0] // b), -(-w.shape[1] // b)) == tuple(s.shape):
             return b
     raise CheckpointError(f"{name}: scale grid {tuple(s.shape)} does not tile a weight of shape {tuple(w.shape)}")
-
-
-def _raw(a) -> np.ndarray:
-    """The bytes of an FP8 / FP4 tensor as uint8, never numerically cast."""
-    if type(a).__module__.startswith("torch"):
-        return dq.packed_fp4_bytes(a)
-    a = np.ascontiguousarray(a)
-    if a.dtype.itemsize != 1:
-        raise CheckpointError(f"expected a 1-byte quantized tensor, got {a.dtype}")
-    return a.view(np.uint8)
 
 
 def import_backbone(reader, cfg, dtype: str = "float32", progress: bool = True, token_map=None,

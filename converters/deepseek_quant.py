@@ -36,51 +36,32 @@ FP4_MAX = 6.0
 FP4_TABLE = qdq.FP4_TABLE  # e2m1 code -> value (bit 3 = sign), CONV41's FP4_TABLE
 
 
-def _is_torch(a) -> bool:
-    return type(a).__module__.startswith("torch")
+def _raw(a, name: str, what: str, allowed: tuple[str, ...]) -> np.ndarray:
+    """The uint8 bytes of 1-byte data (NumPy / ml_dtypes or torch) whose dtype is one of `allowed` or raw (u)int8:
+    a view, never a numeric cast (a numeric array would be ambiguous: bytes or values?)."""
+    dt = str(a.dtype).replace("torch.", "")
+    if dt not in (*allowed, "uint8", "int8"):
+        raise TypeError(f"{name}: {what} must be {' or '.join(allowed)} or raw (u)int8 bytes, got {dt}")
+    if type(a).__module__.startswith("torch"):
+        import torch
+
+        return a.contiguous().view(torch.uint8).numpy()
+    return np.ascontiguousarray(a).view(np.uint8)
 
 
 def e8m0_bytes(scale, name: str = "scale") -> np.ndarray:
-    """Raw E8M0 exponent bytes (uint8) from uint8 / int8 / ml_dtypes.float8_e8m0fnu / torch float8_e8m0fnu."""
-    if _is_torch(scale):
-        import torch
-
-        if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.int8):
-            raise TypeError(f"{name}: E8M0 scales must be float8_e8m0fnu or raw (u)int8 bytes, got torch {scale.dtype}")
-        return scale.contiguous().view(torch.uint8).numpy()
-    a = np.asarray(scale)
-    if a.dtype == E8M0 or a.dtype in (np.uint8, np.int8):
-        return np.ascontiguousarray(a).view(np.uint8)  # a view, never a numeric cast
-    raise TypeError(f"{name}: E8M0 scales must be float8_e8m0fnu or raw (u)int8 bytes, got {a.dtype} "
-                    "(a numeric array would be ambiguous: exponent bytes or scale values?)")
+    """Raw E8M0 exponent bytes (uint8) from uint8 / int8 / float8_e8m0fnu (NumPy or torch)."""
+    return _raw(np.asarray(scale) if not hasattr(scale, "dtype") else scale, name, "E8M0 scales", ("float8_e8m0fnu",))
 
 
 def e4m3_array(w, name: str = "weight") -> np.ndarray:
     """ml_dtypes.float8_e4m3fn view of e4m3 data given as float8_e4m3fn (NumPy or torch) or raw (u)int8 bytes."""
-    if _is_torch(w):
-        import torch
-
-        if w.dtype not in (torch.float8_e4m3fn, torch.uint8, torch.int8):
-            raise TypeError(f"{name}: FP8 weights must be float8_e4m3fn or raw (u)int8 bytes, got torch {w.dtype}")
-        return w.contiguous().view(torch.uint8).numpy().view(E4M3)
-    a = np.asarray(w)
-    if a.dtype == E4M3:
-        return a
-    if a.dtype in (np.uint8, np.int8):
-        return np.ascontiguousarray(a).view(E4M3)
-    raise TypeError(f"{name}: FP8 weights must be float8_e4m3fn or raw (u)int8 bytes, got {a.dtype}")
+    return _raw(np.asarray(w) if not hasattr(w, "dtype") else w, name, "FP8 weights", ("float8_e4m3fn",)).view(E4M3)
 
 
 def packed_fp4_bytes(w, name: str = "weight") -> np.ndarray:
     """uint8 view of packed FP4 (checkpoint I8, torch float4_e2m1fn_x2, or uint8)."""
-    if _is_torch(w):
-        import torch
-
-        return w.contiguous().view(torch.uint8).numpy()
-    a = np.asarray(w)
-    if a.dtype not in (np.uint8, np.int8):
-        raise TypeError(f"{name}: packed FP4 must be (u)int8 bytes, got {a.dtype}")
-    return np.ascontiguousarray(a).view(np.uint8)
+    return _raw(np.asarray(w) if not hasattr(w, "dtype") else w, name, "packed FP4", ("float4_e2m1fn_x2",))
 
 
 def e8m0_to_float(scale, name: str = "scale") -> np.ndarray:

@@ -15,7 +15,7 @@ from converters.safetensors_io import CheckpointError
 from converters.transforms import TRANSFORMS
 from jaxmodels.config import ModelConfig
 from jaxmodels.families import _common
-from jaxmodels.plan import flat_shapes, flatten, param_specs, plan, unflatten
+from jaxmodels.plan import flatten, param_specs, plan, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +70,18 @@ class Placement:
 
 
 def plan_import(reader, cfg: ModelConfig, names: dict, skip: tuple[str, ...] = (), *, renames=PREFIXES,
-                shapes: dict | None = None, layer=None, derived: tuple[str, ...] = (), what: str = "",
+                specs: dict | None = None, layer=None, derived: tuple[str, ...] = (), what: str = "",
                 hint: str = "") -> list[Placement]:
     """Match every checkpoint tensor to its parameter and check names and shapes, reading no data.
 
     Raises CheckpointError naming the tensor for an unexpected or missing tensor or a wrong shape.
     skip: regexes of checkpoint entries to leave out on purpose (logged). renames: applied before matching.
-    shapes: flat parameter path -> shape (default: the model's); layer(i) -> (path prefix, leading index) for a
-    name's `{i}` (default: `layers/<kind>/` at the layer's rank); derived: parameters built elsewhere, not read;
-    what / hint: the kind of tensor named in errors ("MTP ") and a hint appended to the missing-tensor error.
+    specs: flat parameter path -> ParamSpec (default: the model's); layer(i) -> (path prefix, leading index) for
+    a name's `{i}` (default: `layers/<kind>/` at the layer's rank); derived: parameters built elsewhere, not
+    read; what / hint: the kind of tensor named in errors ("MTP ") and a hint appended to the missing error.
     """
     pl = plan(cfg)
-    shapes = flat_shapes(cfg) if shapes is None else shapes
+    specs = flatten(param_specs(cfg)) if specs is None else specs
     if layer is None:
         def layer(i):
             if i >= cfg.num_layers:
@@ -113,26 +113,30 @@ def plan_import(reader, cfg: ModelConfig, names: dict, skip: tuple[str, ...] = (
         if per_expert:
             index += (int(m.group("e")),)
         for rel, transform in targets:
-            path = prefix + rel.format(**groups).replace(".", "/")
-            if path not in shapes:
+            rel = rel.format(**groups).replace(".", "/")
+            path = prefix + rel
+            where = f"{rel} in layer {m.group('i')}" if layered and path.startswith("layers/") else path
+            if path not in specs:
                 raise CheckpointError(f"unexpected tensor {name!r}: this {cfg.family} config has no {what}"
-                                      f"parameter {path}")
-            full = shapes[path]
-            if per_expert and index[-1] >= full[len(index) - 1]:
-                raise CheckpointError(f"unexpected tensor {name!r}: expert {index[-1]} of {full[len(index) - 1]}")
-            want = full[len(index):]
+                                      f"parameter {where}")
+            s = specs[path]
+            if per_expert and index[-1] >= s.shape[len(index) - 1]:
+                raise CheckpointError(f"unexpected tensor {name!r}: expert {index[-1]} of {s.shape[len(index) - 1]}")
+            want = s.shape[len(index):]
             src_shape, _ = _transform(transform)
             got = tuple(reader.shape(name))
             if got != tuple(src_shape(want)):
-                raise CheckpointError(f"tensor {name!r} has shape {got}, expected {tuple(src_shape(want))}")
+                stack = (f" ({where} stacks {want[0]} experts: one tensor per expert, or one for all)"
+                         if "experts" in s.axes[len(index):len(index) + 1] else "")
+                raise CheckpointError(f"tensor {name!r} has shape {got}, expected {tuple(src_shape(want))}{stack}")
             if (path, index) in filled:
-                raise CheckpointError(f"tensor {name!r} maps to {path} which was already filled")
+                raise CheckpointError(f"tensor {name!r} maps to {where} which was already filled")
             filled.add((path, index))
             out.append(Placement(name, path, index, tuple(want), transform))
     if skipped:
         log.info("left out %d checkpoint tensors this model does not use (e.g. vision, MTP)", skipped)
-    missing = [(p, r) for p, s in shapes.items() if p not in derived
-               for r in (range(s[0]) if p.startswith("layers/") else (None,)) if not _complete(filled, p, r, s)]
+    missing = [x for p, s in specs.items() if p not in derived
+               for r in (range(s.shape[0]) if p.startswith("layers/") else (None,)) for x in _missing(filled, p, r, s)]
     if missing:
         raise CheckpointError(f"missing {len(missing)} {what}tensors, e.g. {_describe(missing[:3], pl, names)}{hint}")
     return out
@@ -146,10 +150,9 @@ def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32",
                   skip: tuple[str, ...] = (), **plan_kw) -> dict:
     """Host (NumPy) parameters: every tensor read once (memory-mapped), transformed, placed in its stack.
     Each parameter takes `dtype` unless its ParamSpec keeps fp32 or int32; Quantized values stay bytes.
-    plan_kw: as plan_import (shapes must then come with `specs`, the flat ParamSpecs)."""
+    plan_kw: as plan_import."""
     target = np_dtype(dtype)
-    specs = plan_kw.pop("specs", None) or flatten(param_specs(cfg))
-    shapes = plan_kw.setdefault("shapes", {k: s.shape for k, s in specs.items()})
+    specs = plan_kw.setdefault("specs", flatten(param_specs(cfg)))
     out: dict[str, np.ndarray] = {}
     cached: tuple[str, object] | None = None  # one tensor may feed several parameters in a row
     for pm in tqdm(plan_import(reader, cfg, names, skip, **plan_kw), desc="import", unit="tensor",
@@ -157,7 +160,9 @@ def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32",
         if cached is None or cached[0] != pm.name:
             cached = (pm.name, reader.get(pm.name))
         value = cached[1]
-        if isinstance(value, Quantized):
+        if isinstance(value, Quantized):  # kept in the checkpoint's [out, in] layout: only nn.Linear-style weights
+            if pm.transform not in ("T", "copy"):
+                raise CheckpointError(f"{pm.name}: a weight kept quantized cannot take the {pm.transform!r} transform")
             parts = value.items()
         else:
             dt = np.dtype(specs[pm.path].dtype or target)
@@ -166,7 +171,7 @@ def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32",
             path = pm.path + suffix
             if pm.index:
                 if path not in out:
-                    out[path] = np.zeros(shapes[pm.path][:len(pm.index)] + v.shape, v.dtype)
+                    out[path] = np.zeros(specs[pm.path].shape[:len(pm.index)] + v.shape, v.dtype)
                 out[path][pm.index] = v
             else:
                 out[path] = v
@@ -228,26 +233,35 @@ def read_slice(reader, pm: Placement, sub: tuple[slice, ...]) -> np.ndarray:
     return np.asarray(_transform(t)[1](reader.get(pm.name), want))[sub]
 
 
-def _complete(filled, path, rank, shape) -> bool:
-    """A parameter slot is complete when filled whole, or (per-expert tensors) expert by expert."""
+def _missing(filled, path, rank, spec) -> list[tuple[str, int | None, int | None]]:
+    """[(path, layer rank, expert)] of a parameter slot not filled: filled whole, or (per-expert tensors) expert by
+    expert — then each missing expert (expert None: the whole slot)."""
     base = () if rank is None else (rank,)
-    experts = shape[len(base)] if len(shape) > len(base) else 0
-    return (path, base) in filled or (experts > 0 and all((path, (*base, e)) in filled for e in range(experts)))
+    if (path, base) in filled:
+        return []
+    per_expert = "experts" in spec.axes[len(base):len(base) + 1]
+    gaps = [e for e in range(spec.shape[len(base)]) if (path, (*base, e)) not in filled] if per_expert else [None]
+    return [] if not gaps else [(path, rank, None)] if len(gaps) == spec.shape[len(base)] else \
+        [(path, rank, e) for e in gaps]
 
 
 def _describe(missing, pl, names) -> str:
-    """'model.layers.1.mlp.up_proj.weight (layer 1: mlp/w_up)' for each missing (path, rank)."""
+    """'model.layers.1.mlp.experts.5.up_proj.weight (layer 1: mlp/w_up, expert 5)' for each missing slot."""
     out = []
-    for path, rank in missing:
+    for path, rank, expert in missing:
         layer, rel = None, path
         if rank is not None:
             kind, rel = path.split("/", 2)[1:]
             layer = next(i for i, (k, r) in enumerate(zip(pl.kind_of, pl.rank_of)) if k == int(kind) and r == rank)
-        source = next((pat for pat, t in names.items() if "(?P<" not in pat
-                       and rel in ([t[0]] if isinstance(t[0], str) else [x[0] for x in t])), None)
-        where = rel if layer is None else f"layer {layer}: {rel}"
+        moe = pl.kinds[pl.kind_of[layer]].mlp.kind == "moe" if layer is not None else False
+        sources = [pat for pat, t in names.items() if "(?P<" not in pat
+                   and rel in ([t[0]] if isinstance(t[0], str) else [x[0] for x in t])]
+        source = next((pat for pat in sources if ("{e}" in pat) == (moe and rel.startswith("mlp/w_"))),
+                      sources[0] if sources else None)
+        where = (rel if layer is None else f"layer {layer}: {rel}") + ("" if expert is None else f", expert {expert}")
         if source is None:
             out.append(where)
         else:
-            out.append(f"{source.replace(chr(92), '').replace('{i}', str(layer)).replace('{e}', '*')} ({where})")
+            e = "*" if expert is None else str(expert)
+            out.append(f"{source.replace(chr(92), '').replace('{i}', str(layer)).replace('{e}', e)} ({where})")
     return ", ".join(out)

@@ -32,7 +32,7 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, overwr
             tokenizer.save(tmp)
         dtypes = sorted({str(a.dtype) for a in jax.tree.leaves(params)})
         meta = {"format_version": FORMAT_VERSION, "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-                "model_dtype": str(params["embed"].dtype), "quantized": _quantized(params), "config": cfg.to_dict()}
+                "config": cfg.to_dict()}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
         if dst.exists():
             shutil.rmtree(dst)
@@ -42,8 +42,3 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, overwr
         raise
     return dst
 
-
-def _quantized(params) -> bool:
-    """Whether weights are kept as FP8/FP4 bytes (DeepSeek --keep-quantized)."""
-    return any(str(getattr(k, "key", "")) in ("fp8", "fp4") or str(getattr(k, "key", "")).endswith("_scale")
-               for path, _ in jax.tree_util.tree_flatten_with_path(params)[0] for k in path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxmodels import checkpoint, model as _model, sharding
+from jaxmodels import checkpoint, model as _model, plan as _plan, sharding
 from jaxmodels.config import AttentionSpec, LayerSpec, MLPSpec, ModelConfig, RopeSpec
 from jaxmodels.generate import GenerateOutput, generate
 from jaxmodels.tokenizer import Tokenizer
@@ -53,16 +53,12 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
     path = Path(path)
     if checkpoint.is_converted(path):
         cfg = checkpoint.load_config(path)
-        target = None
-        if mesh is not None:
-            meta = checkpoint.load_meta(path)
-            if meta.get("quantized"):
-                raise NotImplementedError("restoring kept-quantized weights onto a mesh is not supported yet")
-            dt = meta.get("model_dtype", meta["dtype"])
-            stored = jax.eval_shape(lambda: _model.cast(cfg, _model.init_params(cfg), dt))
-            target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), stored,
-                                  sharding.shardings(cfg, mesh, rules))
-        params = checkpoint.load_params(path, target)
+        sharding_of = None
+        if mesh is not None:  # by the rules where the plan names the axes; the rest (MTP, quantized bytes) replicated
+            placed = _plan.flatten(sharding.shardings(cfg, mesh, rules))
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            sharding_of = lambda p: placed.get(p, replicated)  # noqa: E731
+        params = checkpoint.load_params(path, sharding_of)
         params = jax.tree.map(jnp.asarray, params) if mesh is None else params
         tok = Tokenizer.from_dir(path)
     else:

@@ -66,8 +66,9 @@ def build(kind_specs, counts, batch: int, max_len: int, dtype, block_size: int =
           extra_specs=(), constrain=None) -> Cache:
     """A zero cache for `counts[k]` layers of each kind with the specs `kind_specs[k]`.
 
-    block_size > 0: paged. tables: {(window, per): int32 [batch, blocks]} per table group (default: each row its
-    own consecutive blocks, every group its own range); a pool holds max(table) + 1 blocks.
+    block_size > 0: paged. tables: {(window, per): int32 [batch, blocks]} per table group (groups not given: each
+    row its own consecutive blocks past those given, every group its own range); a pool holds max(table) + 1
+    blocks. Groups that share a pool must use disjoint blocks (the block allocator's job).
     constrain(x, logical axes): optional sharding constraint for the buffers.
     """
     constrain = constrain or (lambda x, axes: x)
@@ -101,7 +102,8 @@ def build(kind_specs, counts, batch: int, max_len: int, dtype, block_size: int =
         state.append(kstate)
     table_arrays = ()
     if block_size:
-        tables, start = dict(tables or {}), 0
+        tables = dict(tables or {})
+        start = 1 + max((int(np.max(v)) for v in tables.values() if np.size(v)), default=-1)
         for key, (t, nb) in groups.items():
             if key not in tables:  # each row its own consecutive blocks, every group its own range
                 tables[key] = start + np.arange(batch * nb, dtype=np.int32).reshape(batch, nb)
@@ -110,7 +112,7 @@ def build(kind_specs, counts, batch: int, max_len: int, dtype, block_size: int =
                 raise ValueError(f"the block table for window={key[0]}, per={key[1]} must be [{batch}, {nb}], "
                                  f"got {np.shape(tables[key])}")
         table_arrays = tuple(jnp.asarray(tables[key], jnp.int32) for key in groups)
-        blocks = 1 + max(int(np.max(np.asarray(tables[key]))) for key in groups)
+        blocks = 1 + max((int(np.max(tables[key])) for key in groups if np.size(tables[key])), default=0)
         shapes = [((n, blocks, *rest), dt) for (n, _, *rest), dt in shapes]
     axes = ("layers", None if block_size else "batch", "kv_heads", None, "head_dim")
     buffers = tuple(constrain(jnp.zeros(shape, dt), axes) for shape, dt in shapes)

@@ -34,8 +34,18 @@ def load_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(cfg)
 
 
-def load_params(path: str | Path, target=None) -> dict:
-    """Restore params; `target` (a tree of jax.ShapeDtypeStruct, possibly sharded) places them directly."""
+def load_params(path: str | Path, sharding_of=None) -> dict:
+    """Restore params. sharding_of(param path) -> jax.sharding.Sharding: restore each leaf straight into it (each
+    device reads only its shards); the stored shapes and dtypes come from the checkpoint's own metadata."""
+    import jax
     import orbax.checkpoint as ocp
 
-    return ocp.StandardCheckpointer().restore(Path(path).absolute() / "params", target)
+    ckpt, where = ocp.StandardCheckpointer(), Path(path).absolute() / "params"
+    if sharding_of is None:
+        return ckpt.restore(where)
+    meta = ckpt.metadata(where)
+    meta = getattr(getattr(meta, "item_metadata", meta), "tree", meta)  # orbax >= 0.12.8 wraps the tree
+    target = jax.tree_util.tree_map_with_path(
+        lambda p, m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding_of("/".join(str(k.key) for k in p))),
+        meta, is_leaf=lambda m: hasattr(m, "shape"))
+    return ckpt.restore(where, target)

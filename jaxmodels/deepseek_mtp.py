@@ -61,9 +61,6 @@ def _block(cfg, lp, X, pre, attn, tokens, ctx):
                      ffn, spec.mhc, eps)
 
 
-def _rms(cfg, x, w):
-    return norm(x, w, cfg.norm_eps, "rms_fp32")
-
 
 # ----------------------------------------------------------------------------------------------- backbone
 def backbone(params, cfg: ModelConfig, tokens):
@@ -95,7 +92,7 @@ def dspark_main_x(params, cfg: ModelConfig, mains):
     """main_x [..., D] = main_norm(main_proj(mains)) from the concatenated target-layer means [..., K*D]."""
     p0 = params["mtp"]["0"]
     ctx = _ctx(cfg, jnp.zeros(mains.shape[:-1], jnp.int32))
-    return _rms(cfg, mla.linear(ctx, mains.astype(params["embed"].dtype), p0["main_proj"]), p0["main_norm"])
+    return mla.rms(cfg, mla.linear(ctx, mains.astype(params["embed"].dtype), p0["main_proj"]), p0["main_norm"])
 
 
 def dspark_window_kv(params, cfg: ModelConfig, mains, positions):
@@ -150,7 +147,7 @@ def dspark_draft_from_window(params, cfg: ModelConfig, window_kv, window_ok, las
         X, pre = _block(cfg, lp, X, pre, attn, ids, ctx)
     pl = params["mtp"][last]
     h = mhc.collapse(X, pre)  # the last stage's FFN pre (no hc_head in V4.1)
-    logits = jnp.einsum("btd,dv->btv", _rms(cfg, h, pl["norm"]).astype(F32), params["lm_head"].astype(F32))
+    logits = jnp.einsum("btd,dv->btv", mla.rms(cfg, h, pl["norm"]).astype(F32), params["lm_head"].astype(F32))
     me, mh = pl["markov_head"]["embed"], pl["markov_head"]["head"].astype(F32)
     out, embeds, rows = [last_token], [], []
     for i in range(blk):  # the Markov bias of step i depends on the id picked at step i-1: sequential
@@ -213,11 +210,11 @@ def mtp_forward(params, cfg: ModelConfig, h_stream, tokens, depth: int = 0):
     dt = params["embed"].dtype
     B, T = tokens.shape
     ctx = _ctx(cfg, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
-    e = _rms(cfg, params["embed"][tokens].astype(dt), p["enorm"])
-    hs = _rms(cfg, h_stream.astype(dt), p["hnorm"])  # per copy, over D
+    e = mla.rms(cfg, params["embed"][tokens].astype(dt), p["enorm"])
+    hs = mla.rms(cfg, h_stream.astype(dt), p["hnorm"])  # per copy, over D
     X = (mla.linear(ctx, e, p["e_proj"])[:, :, None, :] + mla.linear(ctx, hs, p["h_proj"])).astype(dt)
     attn = lambda h: mla.attention(cfg, cfg.mtp.layer, p["attn"], h, ctx, None, {})[0]  # noqa: E731
     X, _ = _block(cfg, p, X, None, attn, tokens, ctx)
     pre = mhc.head_pre(X, p["hc_head"], norm_eps=cfg.norm_eps, hc_eps=cfg.mtp.layer.mhc.eps)
-    h = _rms(cfg, mhc.collapse(X, pre), p["norm"])
+    h = mla.rms(cfg, mhc.collapse(X, pre), p["norm"])
     return jnp.einsum("btd,dv->btv", h.astype(F32), params["lm_head"].astype(F32)), X

@@ -23,7 +23,7 @@ from jaxmodels import cache as kv
 from jaxmodels.config import ModelConfig
 from jaxmodels.layers import attention, engram, mhc, mla, mlp, moe, rope
 from jaxmodels.layers.norms import norm
-from jaxmodels.plan import Plan, flatten, param_specs, plan, unflatten
+from jaxmodels.plan import Plan, flatten, mtp_param_specs, param_specs, plan, unflatten
 
 F32 = jnp.float32
 
@@ -45,8 +45,9 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float =
                          "scale": jnp.full((L, E, n_out, n_in // 32), 121, jnp.uint8)}
         elif s.init == "normal":
             out[path] = (std * jax.random.normal(key, s.shape, F32)).astype(dt)
-        elif s.init == "expert_ids":
-            out[path] = jax.random.randint(key, s.shape, 0, cfg.layers[0].mlp.num_experts, jnp.int32)
+        elif s.init == "expert_ids":  # layers/<kind>/mlp/tid2eid
+            experts = plan(cfg).kinds[int(path.split("/")[1])].mlp.num_experts
+            out[path] = jax.random.randint(key, s.shape, 0, experts, jnp.int32)
         elif s.init == "classes":
             out[path] = jnp.arange(s.shape[0], dtype=jnp.int32) // 2
         else:
@@ -56,14 +57,12 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float =
 
 def cast(cfg: ModelConfig, params: dict, dtype) -> dict:
     """Params in `dtype`, except what the plan keeps fp32 or integer (ParamSpec.dtype) and quantized bytes."""
-    specs = flatten(param_specs(cfg))
+    specs = flatten(param_specs(cfg) | mtp_param_specs(cfg))
 
     def one(path, a):
-        name = "/".join(str(getattr(p, "key", p)) for p in path)
-        s = specs.get(name)
-        if s is None or s.dtype is not None or not jnp.issubdtype(a.dtype, jnp.floating):
-            return a
-        return a.astype(dtype)
+        s = specs.get("/".join(str(getattr(p, "key", p)) for p in path))
+        keep = s is not None and s.dtype is not None  # kept-quantized leaves are bytes, not floating
+        return a if keep or not jnp.issubdtype(a.dtype, jnp.floating) else a.astype(dtype)
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -143,14 +142,23 @@ def _execute(cfg: ModelConfig, pl: Plan, runs, stacks, carry, ctx, layer_off, ra
             return _execute(cfg, pl, run.body, inner, carry, ctx, layer_off + s * run.period, offs), None
 
         inp = (jnp.arange(run.repeats), xs)
-        carry = _fit(carry, jax.eval_shape(lambda c: body(c, jax.tree.map(lambda a: a[0], inp))[0], carry))
+        if any(_publishes(pl.kinds[pl.kind_of[j]]) for j in layers):
+            carry = _fit(carry, jax.eval_shape(lambda c: body(c, jax.tree.map(lambda a: a[0], inp))[0], carry))
         carry, _ = jax.lax.scan(body, carry, inp, unroll=ctx["unroll"])
     return carry
 
 
+def _publishes(spec) -> bool:
+    """Whether a layer publishes state for later layers (DeepSeek's compressed entries, keys, top-k, candidates)."""
+    m = spec.attention.mla
+    return m is not None and (m.compress or m.select == "indexer" or m.candidate_source)
+
+
 def _fit(carry, want):
     """The carry with the published state a scanned body starts publishing (or reshapes) pre-filled: a scan
-    carries what its body returns. The placeholder is overwritten before any layer of the body reads it."""
+    carries what its body returns. The placeholder is overwritten before any layer of the body reads it: a
+    layer reads what the latest source or indexer of its own ratio published (the family config checks the
+    roles), and a key changes shape only where a source of another ratio publishes it."""
     state = {k: carry["state"][k] if k in carry["state"] and carry["state"][k].shape == w.shape
              and carry["state"][k].dtype == w.dtype else jnp.zeros(w.shape, w.dtype)
              for k, w in want["state"].items()}

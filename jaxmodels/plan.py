@@ -43,7 +43,7 @@ class Plan:
         return _cost(self.runs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def plan(cfg: ModelConfig) -> Plan:
     kinds, kind_of, rank_of = [], [], []
     for spec in cfg.layers:
@@ -60,29 +60,33 @@ def _cost(runs) -> int:
     return sum(1 if r.body is None else _cost(r.body) for r in runs)
 
 
-@functools.lru_cache(maxsize=None)
 def _runs(seq: tuple[int, ...], offset: int) -> tuple[Run, ...]:
-    """Split `seq` into runs with the fewest layer bodies (ties: fewer runs); each repeated body split the same way.
+    """`seq` split into runs with the fewest layer bodies (ties: fewer runs), each repeated body split the same way;
+    layer indices start at `offset`. Repeats are looked for at every position (a period p repeated r >= 2 times),
+    so irregular plans (DeepSeek V4.1: 2 window layers, [source, 5 reuse] x 2, ..., [reindex, 3 reuse] x 4) scan
+    their runs too."""
+    return tuple(Run(offset + i, 1, 1) if p is None else Run(offset + i, p, r, _runs(seq[i: i + p], offset + i))
+                 for i, p, r in _split(seq)[2])
 
-    Repeated bodies are found at every position (a period p repeated r >= 2 times), so non-periodic plans
-    (DeepSeek V4.1: 2 window layers, [source, 5 reuse] x 2, ..., [reindex, 3 reuse] x 4) scan their runs too.
-    """
+
+@functools.lru_cache(maxsize=4096)
+def _split(seq: tuple[int, ...]):
+    """(bodies, runs, ((start, period or None, repeats), ...)) of the best split of `seq`, positions relative to it."""
     n = len(seq)
-    best: list = [None] * n + [(0, 0, ())]  # best[i] = (bodies, runs, plan of seq[i:])
+    best: list = [None] * n + [(0, 0, ())]  # best[i]: the best split of seq[i:]
     for i in range(n - 1, -1, -1):
         tail = best[i + 1]
-        cands = [(1 + tail[0], 1 + tail[1], (Run(offset + i, 1, 1),) + tail[2])]
+        cands = [(1 + tail[0], 1 + tail[1], ((i, None, 1),) + tail[2])]
         for p in range(1, (n - i) // 2 + 1):
             r = 1
             while i + (r + 1) * p <= n and seq[i + r * p: i + (r + 1) * p] == seq[i: i + p]:
                 r += 1
-            if r < 2:
-                continue
-            body = _runs(seq[i: i + p], offset + i)
-            tail = best[i + r * p]
-            cands.append((_cost(body) + tail[0], 1 + tail[1], (Run(offset + i, p, r, body),) + tail[2]))
+            body = _split(seq[i: i + p])[0] if r > 1 else 0
+            for rr in range(2, r + 1):  # fewer repeats may let a better run start sooner
+                tail = best[i + rr * p]
+                cands.append((body + tail[0], 1 + tail[1], ((i, p, rr),) + tail[2]))
         best[i] = min(cands, key=lambda c: (c[0], c[1]))
-    return best[0][2]
+    return best[0]
 
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -221,11 +225,11 @@ def layer_param_specs(cfg: ModelConfig, spec: LayerSpec) -> dict:
 
 
 def _tree_map(f, tree):
-    """f over the leaves; keys sorted, as jax.tree.map orders them (init and import draw in this order)."""
+    """f over the leaves, keys sorted as jax.tree.map orders them (init_params draws layer parameters in this order)."""
     return {k: _tree_map(f, v) if isinstance(v, dict) else f(v) for k, v in sorted(tree.items())}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def param_specs(cfg: ModelConfig) -> dict:
     """Nested dict of every parameter's `ParamSpec`: the contract converters fill and check."""
     pl = plan(cfg)
@@ -243,7 +247,7 @@ def param_specs(cfg: ModelConfig) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def mtp_param_specs(cfg: ModelConfig) -> dict:
     """{"mtp": {"0": {...}, ...}} of DeepSeek's MTP blocks (jaxmodels/deepseek_mtp.py), or {} without MTP.
     Each block is a layer of `cfg.mtp.layer` plus, V4.1 DSpark: main_proj/main_norm (first), norm + Markov and

@@ -83,6 +83,15 @@ def test_missing_tensor_is_named(src, tmp_path):
     _assert_missing_named(src, tmp_path / "out", r"model\.layers\.1\.mlp\.up_proj\.weight", r"layer 1: mlp/w_up")
 
 
+def test_missing_expert_is_named(tmp_path):
+    """One expert's tensor of a MoE layer: the message names that expert, under the per-expert checkpoint name."""
+    src = tmp_path / "moe"
+    ref.build(ref.tiny_config("qwen3_moe")).save_pretrained(src)
+    _rewrite(src / "model.safetensors", lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    _assert_missing_named(src, tmp_path / "out", r"missing 1 tensors", r"model\.layers\.2\.mlp\.experts\.5\.up_proj",
+                          r"layer 2: mlp/w_up, expert 5")
+
+
 def test_missing_non_layer_tensor_is_named(src, tmp_path):
     _rewrite(src / "model.safetensors", lambda t: t.pop("model.norm.weight"))
     _assert_missing_named(src, tmp_path / "out", r"norm")

@@ -123,3 +123,28 @@ def _mtp_params(cfg):
     rng = np.random.default_rng(5)
     return jax.tree.map(lambda s: (0.05 * rng.standard_normal(s.shape) + (s.init == "ones")).astype(np.float32),
                         mtp_param_specs(cfg)["mtp"], is_leaf=lambda s: hasattr(s, "axes"))
+
+
+def test_tables_given_for_some_groups_do_not_collide():
+    """Groups whose tables are not given get blocks past the given ones (they may share a pool with them)."""
+    from jaxmodels.plan import SlotSpec
+
+    specs = [(SlotSpec("k", 1, 2, None),), (SlotSpec("k", 1, 2, 4),)]  # a full and a window-4 group, one pool
+    cache = kv.build(specs, (1, 1), 2, 16, jnp.float32, block_size=4, tables={(None, 1): np.arange(8).reshape(2, 4)})
+    assert len(cache.buffers) == 1
+    full, window = kv.LayerCache(cache, 0, 0), None
+    full.write("k", jnp.ones((2, 1, 16, 2)), jnp.array([16, 16]))
+    window = kv.LayerCache(full.cache, 1, 0)
+    window.write("k", 2 * jnp.ones((2, 1, 16, 2)), jnp.array([16, 16]))
+    assert set(np.unique(np.asarray(kv.LayerCache(window.cache, 0, 0).read("k")))) == {1.0}
+
+
+def test_a_compressed_cache_shorter_than_its_ratio():
+    """V4's HCA entries (one per 128 tokens) in a 64-token cache: no slot at all, in both layouts."""
+    cfg = _config("deepseek_v4")
+    for block in (0, BLOCK):
+        cache = M.init_cache(cfg, 2, 64, jnp.float32, block_size=block)
+        params = M.init_params(cfg, seed=1, std=0.05)
+        logits, _ = jax.jit(M.prefill, static_argnums=1)(params, cfg, jnp.zeros((2, 8), jnp.int32),
+                                                        jnp.asarray([8, 5]), cache)
+        assert np.isfinite(np.asarray(logits)).all()

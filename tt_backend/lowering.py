@@ -82,8 +82,10 @@ def check_layer(cfg: ModelConfig, i: int, spec: LayerSpec) -> None:
     if m.kind == "moe":
         if m.shared_intermediate_size:
             raise NotImplementedError(f"{where}: MoE with a shared expert: lowering is a later issue")
-        if m.router not in ("topk_softmax", "softmax_topk") or m.route_scale != 1.0:
+        if m.router not in ("topk_softmax", "softmax_topk"):
             raise NotImplementedError(f"{where}: MoE router {m.router!r} is not lowered")
+        if m.route_scale != 1.0:
+            raise NotImplementedError(f"{where}: MoE routing weights scaled by {m.route_scale}: not lowered")
         if m.num_experts > MAX_TOPK_WIDTH:
             raise TTConstraintError(f"{where}: ttnn.topk over {m.num_experts} experts > {MAX_TOPK_WIDTH}")
     if m.activation not in ACTIVATIONS and not (m.kind == "moe" and m.activation == "swiglu_clamp"):

@@ -22,7 +22,8 @@ F32 = jnp.float32
 NEG = -jnp.inf
 
 
-def _rms(cfg, x, w):
+def rms(cfg, x, w):
+    """DeepSeek's RMSNorm: fp32 statistics times the fp32 weight, cast back (every norm of the model)."""
     return norm(x, w, cfg.norm_eps, "rms_fp32")
 
 
@@ -153,7 +154,7 @@ def attend(q, kv_win, allow_win, kv_cmp, allow_cmp, sinks, scale: float):
 def project_q(cfg, m, p, x, ctx, cos, sin):
     """(q [B, T, H, d] RoPE'd, qr [B, T, Dq] the normed low-rank query the indexer reads)."""
     B, T, _ = x.shape
-    qr = _rms(cfg, linear(ctx, x, p["wq_a"]), p["q_norm"])
+    qr = rms(cfg, linear(ctx, x, p["wq_a"]), p["q_norm"])
     q = linear(ctx, qr, p["wq_b"]).reshape(B, T, cfg.num_heads, cfg.head_dim)
     if m.variant == "v4":  # an unweighted per-head RMS after wq_b
         q = q * jax.lax.rsqrt(jnp.mean(q.astype(F32) ** 2, axis=-1, keepdims=True) + cfg.norm_eps).astype(q.dtype)
@@ -162,7 +163,7 @@ def project_q(cfg, m, p, x, ctx, cos, sin):
 
 def project_kv(cfg, m, p, x, ctx, cos, sin):
     """The window KV a layer writes for inputs x: RoPE'd kv_norm(wkv(x)), FP8-QDQ'd in reference numerics."""
-    return kv_qdq(m, ctx, rope.apply(_rms(cfg, linear(ctx, x, p["wkv"]), p["kv_norm"]), cos, sin, True))
+    return kv_qdq(m, ctx, rope.apply(rms(cfg, linear(ctx, x, p["wkv"]), p["kv_norm"]), cos, sin, True))
 
 
 def output(cfg, m, p, o, ctx, cos, sin, dtype):
@@ -227,7 +228,7 @@ def _project(cp, x, positions, ratio):
 
 def _finish(cfg, cp, pooled, j, ratio, rope_spec, rope_dim, quant):
     """Pooled [B, N, c] -> normed latent (pre-RoPE), and the RoPE'd, quantised entry of position j*r."""
-    latent = _rms(cfg, pooled, cp["norm"])
+    latent = rms(cfg, pooled, cp["norm"])
     cos, sin = rope.cos_sin(rope_spec, rope_dim, j * ratio, F32)
     return latent, quant(rope.apply(latent, cos, sin, True))
 
@@ -295,7 +296,7 @@ def _indexer(cfg, m, rope_spec, ip, x, qr, ctx, cache, state, vis):
     if m.index_keys == "latent":  # V4.1 kv source: keys from the pre-RoPE latent
         latent, emitted = state["latent"]
         j = emitted[1][:, None] if emitted else jnp.broadcast_to(jnp.arange(latent.shape[1]), latent.shape[:2])
-        k = _rms(cfg, linear(ctx, latent, ip["wk"], fp8=False), ip["k_norm"])
+        k = rms(cfg, linear(ctx, latent, ip["wk"], fp8=False), ip["k_norm"])
         cos, sin = rope.cos_sin(rope_spec, m.rope_dim, j * m.ratio, F32)
         state["index_k"] = _store(cache, "index_keys", quant(rope.apply(k, cos, sin, True)), ctx, m.ratio, emitted)
     elif m.index_keys == "compressor":  # V4: its own overlapped compressor at index_head_dim

@@ -77,12 +77,15 @@ def cos_sin(spec: RopeSpec, dim: int, positions, dtype, max_position: int | None
 
 
 def apply(x, cos, sin, interleaved: bool, inverse: bool = False):
-    """Rotate the last 2 * cos.shape[-1] channels of x (all of them, or DeepSeek's RoPE tail) by the tables,
-    which broadcast against x[..., :-1] (e.g. [B, T, 1, d/2] for x [B, T, heads, d]); inverse rotates by -angle.
+    """Rotate x by tables that broadcast against x[..., :d/2] (e.g. [B, T, 1, d/2] for x [B, T, heads, d]);
+    inverse rotates by -angle.
 
-    Halves (rotate_half) are rotated in the activation dtype, as HF; interleaved pairs (2j, 2j+1) in fp32 and
-    cast back (HF Cohere upcasts q/k for this rotation; DeepSeek's reference rotates in fp32).
+    Halves (rotate_half) of all d channels, in the activation dtype, as HF. Interleaved pairs (2j, 2j+1) of the
+    last 2 * cos.shape[-1] channels (all of them, or DeepSeek's RoPE tail), in fp32 and cast back (HF Cohere
+    upcasts q/k for this rotation; DeepSeek's reference rotates in fp32).
     """
+    if not interleaved and 2 * cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"rotate_half RoPE covers all {x.shape[-1]} channels, got tables for {2 * cos.shape[-1]}")
     if inverse:
         sin = -sin
     if not interleaved:

@@ -363,3 +363,13 @@ def test_v4_mtp_matches_numpy():
     ref = _np_mtp_v4(cfg, params, np.asarray(stream), np.asarray(nxt))
     assert np.abs(ref).max() > 0.1
     assert np.abs(np.asarray(mlog) - ref).max() <= TOL
+
+
+def test_cast_covers_the_mtp_blocks(v41):
+    """jm.load(dtype=...) casts the MTP blocks too, keeping what the plan keeps fp32 (mHC mixes, sinks)."""
+    from jaxmodels import model as M
+
+    _, cfg, params, _ = v41
+    p = M.cast(cfg, params, jnp.bfloat16)["mtp"]["0"]
+    assert p["attn"]["wq_a"].dtype == jnp.bfloat16 and p["main_proj"].dtype == jnp.bfloat16
+    assert p["hc_attn"]["fn"].dtype == jnp.float32 and p["attn"]["sinks"].dtype == jnp.float32
