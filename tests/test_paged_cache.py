@@ -16,6 +16,8 @@ from tests.parity.test_deepseek_v4 import V4_TINY
 
 DENSE = ["llama", "qwen3", "mistral", "cohere", "cohere2", "gemma3", "gpt_oss", "exaone4", "qwen3_moe"]
 BLOCK = 16
+V41_NARROW = dict(hidden_size=64, moe_intermediate_size=32, q_lora_rank=32, o_lora_rank=32, index_head_dim=32,
+                  engram_head_dim=16, max_position_embeddings=8192)
 LENGTHS = np.array([37, 4099])  # one row past the sliding windows, one past 4096
 STEPS = 5
 
@@ -23,9 +25,8 @@ STEPS = 5
 def _config(name):
     if name == "deepseek_v4":
         return deepseek_v4.config({**V4_TINY, "model_type": "deepseek_v4"})
-    if name == "deepseek_v41":
-        t = deepseek_ckpt.tiny_config("v4.1", quantized=False, max_position_embeddings=8192)
-        return deepseek_v4.config(t)
+    if name == "deepseek_v41":  # the spec's tiny V4.1 (every role, Engram, DSpark) at narrower widths
+        return deepseek_v4.config(deepseek_ckpt.tiny_config("v4.1", quantized=False, **V41_NARROW))
     return families.config_from_hf({**ref.tiny_config(name), "max_position_embeddings": 8192})
 
 
