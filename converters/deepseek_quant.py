@@ -10,8 +10,8 @@ Spec: specs/deepseek_v4.md §10.2.
 
 E8M0 is read as raw bytes, never numerically cast: a numeric cast of a float8_e8m0fnu tensor (torch `copy_`,
 `np.asarray(x, np.uint8)`) turns 2^-7 into 0 (spec §10.2 "E8M0 loading trap"). `safetensors.numpy` cannot
-return F8_* tensors at all (it looks for `numpy.float8_*`), hence `read_safetensors_tensor` /
-`write_safetensors` here, which move the raw bytes.
+return F8_* tensors at all (it looks for `numpy.float8_*`), hence `read_safetensors_tensor` here, which moves
+the raw bytes (tests/quant_encoders.py writes such files).
 
 All decoders are exact: an e4m3 or e2m1 value times a power of two is representable in float32 (and in
 bfloat16, which has the same exponent range and >= the 3 mantissa bits of e4m3), so no rounding happens.
@@ -31,8 +31,7 @@ from jaxmodels.layers import qdq
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E8M0 = ml_dtypes.float8_e8m0fnu
-FP8_MAX = 448.0
-FP4_MAX = 6.0
+FP8_MAX, FP4_MAX = qdq.FP8_MAX, qdq.FP4_MAX
 FP4_TABLE = qdq.FP4_TABLE  # e2m1 code -> value (bit 3 = sign), CONV41's FP4_TABLE
 
 
@@ -99,56 +98,6 @@ def dequant_wo_a(w_e4m3, scale_e8m0, block: int = 32, name: str = "attn.wo_a") -
     return dequant_fp8_blocks(w, scale_e8m0, block, name).astype(ml_dtypes.bfloat16)
 
 
-# ---- encoders (tests, writing DeepSeek-layout checkpoints) ----
-
-def _pow2_exponent(amax: np.ndarray, qmax: float) -> np.ndarray:
-    """Smallest integer e with qmax * 2^e >= amax (amax > 0), clipped to the E8M0 range [-127, 127]."""
-    a = amax.astype(np.float64)
-    e = np.ceil(np.log2(a / qmax)).astype(np.int64)
-    e = np.where(np.ldexp(qmax, e - 1) >= a, e - 1, e)  # log2 rounding can be one off either way
-    e = np.where(np.ldexp(qmax, e) < a, e + 1, e)
-    return np.clip(e, -127, 127)
-
-
-e2m1_codes = qdq.e2m1_codes  # float values in [-6, 6] -> 4-bit codes, round-to-nearest-even (NumPy in, NumPy out)
-
-
-def quantize_fp8_blocks(w, block=32) -> tuple[np.ndarray, np.ndarray]:
-    """float [..., O, I] -> (float8_e4m3fn [..., O, I], E8M0 bytes uint8 [..., ceil(O/Bo), ceil(I/Bi)]).
-
-    Each block's scale is the smallest power of two that puts its amax within +-448 (an all-zero block
-    gets 2^0); values are rounded to nearest even. Decoding with `dequant_fp8_blocks` gives the e4m3
-    rounding of w.
-    """
-    w = np.asarray(w, np.float32)
-    bo, bi = (block, block) if isinstance(block, (int, np.integer)) else tuple(block)
-    *lead, o, i = w.shape
-    go, gi = -(-o // bo), -(-i // bi)
-    pad = np.zeros((*lead, go * bo, gi * bi), np.float32)
-    pad[..., :o, :i] = w
-    amax = np.abs(pad.reshape(*lead, go, bo, gi, bi)).max(axis=(-3, -1))
-    e = np.where(amax > 0, _pow2_exponent(np.where(amax > 0, amax, 1), FP8_MAX), 0)
-    s = np.ldexp(np.float32(1), e.astype(np.int32)).astype(np.float32)
-    grid = np.repeat(np.repeat(s, bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
-    q = np.clip(w / grid, -FP8_MAX, FP8_MAX).astype(E4M3)
-    return q, (e + 127).astype(np.uint8)
-
-
-def quantize_fp4_experts(w, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """float [..., O, I] -> (packed int8 [..., O, I/2], low nibble = element 2k; E8M0 bytes uint8 [..., O, I/32])."""
-    w = np.asarray(w, np.float32)
-    *lead, o, i = w.shape
-    if i % block or i % 2:
-        raise ValueError(f"FP4 row length {i} must be a multiple of the block {block}")
-    g = w.reshape(*lead, o, i // block, block)
-    amax = np.abs(g).max(-1)
-    e = np.where(amax > 0, _pow2_exponent(np.where(amax > 0, amax, 1), FP4_MAX), 0)
-    s = np.ldexp(np.float32(1), e.astype(np.int32)).astype(np.float32)
-    codes = e2m1_codes(np.clip(g / s[..., None], -FP4_MAX, FP4_MAX)).reshape(*lead, o, i)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.astype(np.uint8).view(np.int8), (e + 127).astype(np.uint8)
-
-
 # ---- raw safetensors I/O for the F8 dtypes safetensors.numpy cannot handle ----
 
 _ST_DTYPES = {
@@ -156,11 +105,6 @@ _ST_DTYPES = {
     "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
     "I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_,
 }
-_NP_TO_ST = {np.dtype(E4M3): "F8_E4M3", np.dtype(E8M0): "F8_E8M0", np.dtype(ml_dtypes.bfloat16): "BF16",
-             np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
-             np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.int16): "I16",
-             np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(np.bool_): "BOOL"}
-
 
 def read_safetensors_header(path) -> tuple[dict, int]:
     """(header dict, byte offset of the data). Cached per file version: a shard holds thousands of tensors."""
@@ -195,28 +139,3 @@ def read_safetensors_tensor(path, name: str) -> np.ndarray:
         raise ValueError(f"{path}: truncated safetensors file (tensor {name!r} ends at byte {base + b})")
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=base + a, shape=(b - a,)) if b > a else np.zeros(0, np.uint8)
     return np.array(mm).view(dt).reshape(shape)
-
-
-def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
-    """Write NumPy arrays (incl. ml_dtypes float8_e4m3fn / float8_e8m0fnu / bfloat16) as a safetensors file."""
-    header, offset, chunks = {}, 0, []
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype not in _NP_TO_ST:
-            raise TypeError(f"{name}: cannot write dtype {arr.dtype} to safetensors")
-        data = arr.tobytes()
-        header[name] = {"dtype": _NP_TO_ST[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
-        offset += len(data)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for c in chunks:
-            f.write(c)
-    tmp.replace(path)

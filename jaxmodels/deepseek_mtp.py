@@ -38,11 +38,6 @@ from jaxmodels.plan import mtp_cache_specs
 F32 = jnp.float32
 
 
-def has_mtp(cfg: ModelConfig) -> bool:
-    """Whether the config carries MTP weights: V4 classic MTP, or V4.1 DSpark (built only with a block size)."""
-    return cfg.mtp is not None and cfg.mtp.layers > 0
-
-
 # ------------------------------------------------------------------------------------------ shared pieces
 def _ctx(cfg, positions):
     """What the MTP layers' attention reads: ratio-0 RoPE (no YaRN) at `positions`, the numerics."""

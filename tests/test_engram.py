@@ -14,6 +14,7 @@ import pytest
 
 from converters import deepseek_quant as dq
 from jaxmodels.layers import engram as E
+from tests import quant_encoders as enc
 
 REAL = dict(layer_ids=(1, 14), max_ngram=4, vocab_size=16_000_000, n_heads=8, compressed_vocab=99_092)
 REAL_MULT = {1: [76632096046245, 4839876093313, 35959672319349, 73987337458391],
@@ -300,8 +301,8 @@ def test_zero_dot_uses_copysign():
 def test_kept_quantized_table_and_wkv_equal_dequantised():
     rng = np.random.default_rng(4)
     n, D, H, C, R = 4, 32, 64, 6, 40
-    tq, ts = dq.quantize_fp8_blocks(rng.standard_normal((R, H)).astype(np.float32), (1, 32))  # per row, per 32
-    wq, ws = dq.quantize_fp8_blocks(rng.standard_normal(((n + 1) * D, C * H)).astype(np.float32) * 0.05, 32)
+    tq, ts = enc.quantize_fp8_blocks(rng.standard_normal((R, H)).astype(np.float32), (1, 32))  # per row, per 32
+    wq, ws = enc.quantize_fp8_blocks(rng.standard_normal(((n + 1) * D, C * H)).astype(np.float32) * 0.05, 32)
     common = {"q_weight": np.ones((n, D), np.float32), "k_weight": rng.standard_normal((n, D)).astype(np.float32)}
     dense = dict(common, table=dq.dequant_fp8_rows(tq, ts).astype(ml_dtypes.bfloat16),
                  wkv=dq.dequant_fp8_blocks(wq, ws, 32).T.astype(ml_dtypes.bfloat16))

@@ -16,6 +16,7 @@ import pytest
 
 from converters import deepseek_quant as dq
 from jaxmodels.layers import qdq
+from tests import quant_encoders as enc
 
 BF16 = ml_dtypes.bfloat16
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -185,7 +186,7 @@ def test_e2m1_codes_all_midpoints():
     _, code = round_to_grid(v, E2M1_POS)
     want = code | (np.signbit(v) << 3)
     np.testing.assert_array_equal(np.asarray(jax.jit(qdq.e2m1_codes)(v)), want)
-    np.testing.assert_array_equal(dq.e2m1_codes(v), want)
+    np.testing.assert_array_equal(qdq.e2m1_codes(np.asarray(v, np.float32)), want)  # the host (NumPy) path
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -416,7 +417,7 @@ def test_quantize_fp8_blocks_round_trip():
     rng = np.random.default_rng(2)
     w = (rng.standard_normal((70, 100)) * np.exp2(rng.integers(-20, 20, (70, 1)))).astype(np.float32)
     w[:32, :32] = 0  # an all-zero block
-    q, s = dq.quantize_fp8_blocks(w, 32)
+    q, s = enc.quantize_fp8_blocks(w, 32)
     assert q.dtype == ml_dtypes.float8_e4m3fn and s.dtype == np.uint8 and s.shape == (3, 4)
     # independent: each block's scale is the smallest 2^e with amax <= 448 * 2^e, values e4m3-rounded
     for bo in range(3):
@@ -434,15 +435,15 @@ def test_quantize_fp8_blocks_round_trip():
             np.testing.assert_array_equal(got, (want * 2.0 ** e).astype(np.float32))
     # encoding already-representable values is lossless
     d = dq.dequant_fp8_blocks(q, s, 32)
-    np.testing.assert_array_equal(dq.dequant_fp8_blocks(*dq.quantize_fp8_blocks(d, 32), 32), d)
-    q128, s128 = dq.quantize_fp8_blocks(w, 128)
+    np.testing.assert_array_equal(dq.dequant_fp8_blocks(*enc.quantize_fp8_blocks(d, 32), 32), d)
+    q128, s128 = enc.quantize_fp8_blocks(w, 128)
     assert s128.shape == (1, 1) and np.max(np.abs(dq.dequant_fp8_blocks(q128, s128, 128) - w)) <= np.abs(w).max() / 16
 
 
 def test_quantize_fp4_experts_round_trip():
     rng = np.random.default_rng(4)
     w = (rng.standard_normal((3, 16, 128)) * np.exp2(rng.integers(-10, 10, (3, 16, 1)))).astype(np.float32)
-    p, s = dq.quantize_fp4_experts(w)
+    p, s = enc.quantize_fp4_experts(w)
     assert p.dtype == np.int8 and p.shape == (3, 16, 64) and s.shape == (3, 16, 4)
     g = w.reshape(3, 16, 4, 32).astype(np.float64)
     amax = np.abs(g).max(-1)
@@ -460,12 +461,12 @@ def test_quantize_fp4_experts_round_trip():
 
 def test_safetensors_raw_round_trip(tmp_path):
     rng = np.random.default_rng(1)
-    q, s = dq.quantize_fp8_blocks(rng.standard_normal((64, 64)).astype(np.float32), 32)
-    p, s4 = dq.quantize_fp4_experts(rng.standard_normal((8, 64)).astype(np.float32))
+    q, s = enc.quantize_fp8_blocks(rng.standard_normal((64, 64)).astype(np.float32), 32)
+    p, s4 = enc.quantize_fp4_experts(rng.standard_normal((8, 64)).astype(np.float32))
     tensors = {"a.weight": q, "a.scale": s.view(ml_dtypes.float8_e8m0fnu), "e.weight": p, "e.scale": s4.view(
         ml_dtypes.float8_e8m0fnu), "n.weight": rng.standard_normal(8).astype(BF16)}
     path = tmp_path / "m.safetensors"
-    dq.write_safetensors(path, tensors)
+    enc.write_safetensors(path, tensors)
     header, _ = dq.read_safetensors_header(path)
     assert header["a.weight"]["dtype"] == "F8_E4M3" and header["a.scale"]["dtype"] == "F8_E8M0"
     assert header["e.weight"]["dtype"] == "I8"
@@ -491,7 +492,7 @@ def test_safetensors_raw_round_trip(tmp_path):
 def test_linear_over_kept_fp8_equals_dequant_matmul():
     rng = np.random.default_rng(6)
     w = rng.standard_normal((96, 160)).astype(np.float32) * 0.1
-    q, s = dq.quantize_fp8_blocks(w, 32)
+    q, s = enc.quantize_fp8_blocks(w, 32)
     wd = dq.dequant_fp8_blocks(q, s, 32)
     x = rng.standard_normal((2, 5, 160)).astype(np.float32)
     hi = jax.lax.Precision.HIGHEST
@@ -509,7 +510,7 @@ def test_linear_over_kept_fp8_equals_dequant_matmul():
     assert y.dtype == jnp.bfloat16
     np.testing.assert_array_equal(bits(np.asarray(y)), bits(np.asarray(want)))
     # 128x128 blocks, ragged edges
-    q2, s2 = dq.quantize_fp8_blocks(w[:, :150], 128)
+    q2, s2 = enc.quantize_fp8_blocks(w[:, :150], 128)
     y2 = jax.jit(lambda x, q, s: qdq.linear(x, {"fp8": q, "scale": s}))(x[..., :150], q2.view(np.uint8), s2)
     np.testing.assert_allclose(np.asarray(y2), x[..., :150] @ dq.dequant_fp8_blocks(q2, s2, 128).T, rtol=1e-5,
                                atol=1e-5)
@@ -518,7 +519,7 @@ def test_linear_over_kept_fp8_equals_dequant_matmul():
 def test_linear_over_kept_fp4_equals_dequant_matmul():
     rng = np.random.default_rng(8)
     w = rng.standard_normal((48, 128)).astype(np.float32)
-    p, s = dq.quantize_fp4_experts(w)
+    p, s = enc.quantize_fp4_experts(w)
     wd = dq.dequant_fp4_experts(p, s)
     x = rng.standard_normal((7, 128)).astype(np.float32)
     y = jax.jit(lambda x, p, s: qdq.linear(x, {"fp4": p, "scale": s}))(x, p, s)

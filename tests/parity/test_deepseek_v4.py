@@ -28,6 +28,7 @@ from converters.safetensors_io import CheckpointError
 from jaxmodels import model as M
 from jaxmodels.plan import cache_bytes_per_token, plan
 from tests.oracles import deepseek_ckpt as ck, deepseek_v41 as oracle
+from tests import quant_encoders as enc
 
 TOL = 1e-4
 
@@ -238,7 +239,6 @@ def test_deepseek_layout_dequantised_exactly(v41):
 def test_v4_deepseek_own_names_with_128_blocks(v4, tmp_path):
     """The HF V4 files renamed to DeepSeek's bare names, linears re-encoded as FP8 with 128x128 E8M0 blocks:
     the import equals the oracle's independent decoding, and the model still matches transformers closely."""
-    from converters import deepseek_quant as dq
     from converters.safetensors_io import SafetensorsReader
 
     _, path, cfg, _ = v4
@@ -249,13 +249,13 @@ def test_v4_deepseek_own_names_with_128_blocks(v4, tmp_path):
         canon = canon.replace(".attn.norm.weight", ".attn.kv_norm.weight")
         w = reader.get(name)
         if canon.endswith(("wq_a.weight", "wq_b.weight", "wo_b.weight")):
-            q, s = dq.quantize_fp8_blocks(w, 128)
+            q, s = enc.quantize_fp8_blocks(w, 128)
             out[canon], out[canon[: -len("weight")] + "scale"] = q, s.view(np.uint8)
         else:
             out[canon] = w
     dst = tmp_path / "ds"
     dst.mkdir()
-    dq.write_safetensors(dst / "model.safetensors", out)
+    enc.write_safetensors(dst / "model.safetensors", out)
     (dst / "config.json").write_text((path / "config.json").read_text())
     cfg2, params2, _ = converters.read_source(dst, progress=False)
     assert cfg2 == cfg
@@ -296,7 +296,7 @@ def test_import_errors(v41, tmp_path):
         d.mkdir()
         t = dict(tensors)
         mutate(t)
-        dq.write_safetensors(d / "model.safetensors", t)
+        enc.write_safetensors(d / "model.safetensors", t)
         for f in ("config.json", "tokenizer.json"):
             (d / f).write_text((path / f).read_text())
         with pytest.raises(CheckpointError) as e:
