@@ -4,3 +4,18 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import gc  # noqa: E402
+
+import jax  # noqa: E402  (after the environment above)
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """Every CPU executable XLA keeps holds memory mappings until jax's caches drop it; a whole-suite run
+    otherwise passes the kernel's 65530-mapping limit (vm.max_map_count) and XLA segfaults in a compile."""
+    yield
+    jax.clear_caches()
+    gc.collect()
