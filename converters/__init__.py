@@ -84,11 +84,14 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite
             progress: bool = True, keep_quantized: bool = False, skip_mtp: bool = False) -> Path:
     """Convert a checkpoint into `dst` (orbax params + config + tokenizer). Returns `dst`.
 
-    Nothing is left at `dst` if anything fails. keep_quantized, skip_mtp: see `read_source`.
+    Nothing is left at `dst` if anything fails. overwrite replaces an earlier converted model (or an empty
+    directory), nothing else; the destination is checked before any import work. keep_quantized, skip_mtp: see
+    `read_source`.
     """
     from converters import orbax_io
 
+    orbax_io.check_destination(dst, src, overwrite)
     cfg, params, tok = read_source(src, dtype, progress, keep_quantized, skip_mtp)
-    out = orbax_io.save(dst, cfg, params, tok, overwrite=overwrite)
+    out = orbax_io.save(dst, cfg, params, tok, overwrite=overwrite, src=src)
     log.info("converted %s -> %s", src, out)
     return out

@@ -135,7 +135,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="HF model directory (config.json + safetensors/.bin) or a .gguf file")
     c.add_argument("dst", help="output directory (written atomically)")
     c.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="parameter dtype (default: bfloat16)")
-    c.add_argument("--force", action="store_true", help="replace dst if it exists")
+    c.add_argument("--force", action="store_true",
+                   help="replace dst if it is an earlier converted model (or an empty directory)")
     c.add_argument("--keep-quantized", action="store_true",
                    help="DeepSeek V4: keep FP8/FP4 weights quantized (expanded inside the matmul)")
     c.add_argument("--skip-mtp", action="store_true", help="DeepSeek V4: leave out the MTP / DSpark weights")

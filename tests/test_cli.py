@@ -51,6 +51,10 @@ def test_convert_inspect_generate(hf_dir, tmp_path):
     assert "tokens/s" in r.stderr
     r = run("convert", str(hf_dir), str(dst))  # exists, no --force
     assert r.returncode == 2 and "already exists" in r.stderr
+    before = sorted(p.name for p in hf_dir.iterdir())
+    r = run("convert", str(hf_dir), str(hf_dir), "--force")  # the source itself: refused, untouched
+    assert r.returncode == 2 and "contains the source" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in hf_dir.iterdir()) == before
 
 
 def test_errors_are_one_clear_line(tmp_path):

@@ -184,21 +184,97 @@ def test_pytorch_bin_matches_single_file(tiny, reference, tmp_path):
 
 # ----------------------------------------------------------------------------------------- destination
 def test_existing_destination_needs_overwrite(src, reference, tmp_path):
+    """An existing destination is refused without overwrite, and with it unless it is our own converted output
+    (or empty): a user's directory keeps its files either way. overwrite replaces an earlier conversion."""
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("user data")
-    with pytest.raises(FileExistsError, match=re.escape(str(dst))):
-        converters.convert(src, dst, dtype="float32", progress=False)
-    assert (dst / "keep.txt").read_text() == "user data", "refused conversion touched the existing dst"
-    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError, match=re.escape(str(dst))):
+            converters.convert(src, dst, dtype="float32", progress=False, overwrite=overwrite)
+        assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"], "a refused conversion touched dst"
+        assert (dst / "keep.txt").read_text() == "user data"
     assert _leftovers(dst) == []
-
-    out = converters.convert(src, dst, dtype="float32", progress=False, overwrite=True)
-    assert out == dst.absolute()
-    assert not (dst / "keep.txt").exists(), "overwrite=True kept the old contents"
-    assert _leftovers(dst) == []
+    (dst / "keep.txt").unlink()  # an empty directory may be replaced
+    converters.convert(src, dst, dtype="float32", progress=False, overwrite=True)
+    out = converters.convert(src, dst, dtype="float32", progress=False, overwrite=True)  # over our own output
+    assert out == dst.absolute() and (dst / "jaxmodels.json").exists()
+    assert [p.name for p in dst.parent.iterdir() if p.name.startswith(".")] == [], "something was left aside"
     ids, want = reference
     np.testing.assert_array_equal(np.asarray(jm.forward(jm.load(dst), ids)), want)
+
+
+def test_the_source_or_a_directory_holding_it_is_never_a_destination(src, tmp_path):
+    before = sorted(p.name for p in src.iterdir())
+    for dst in (src, src.parent, tmp_path / "link"):
+        if dst.name == "link":
+            dst.symlink_to(src)
+        with pytest.raises(ValueError, match="is or contains the source"):
+            converters.convert(src, dst, dtype="float32", progress=False, overwrite=True)
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_destination_is_checked_before_the_import(src, tmp_path, monkeypatch):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "x").write_text("x")
+    monkeypatch.setattr(converters, "read_source", lambda *a, **k: pytest.fail("imported before checking dst"))
+    with pytest.raises(FileExistsError):
+        converters.convert(src, dst, dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("when", ["import", "write"])
+def test_a_destination_that_appears_meanwhile_is_left_alone(src, tmp_path, monkeypatch, when):
+    """Two conversions to one destination: the first to finish wins, the other fails without touching it — caught
+    when its import ends, or at the final rename if the other finished while this one was writing."""
+    from converters import orbax_io
+
+    dst = tmp_path / "out"
+    module, name = (converters, "read_source") if when == "import" else (orbax_io, "remove_stale")
+    real = getattr(module, name)
+
+    def racing(*a, **k):  # another conversion to dst finishes meanwhile
+        out = real(*a, **k)
+        monkeypatch.setattr(module, name, real)
+        converters.convert(src, dst, dtype="float32", progress=False)
+        (dst / "theirs").write_text("the winner's output")
+        return out
+
+    monkeypatch.setattr(module, name, racing)
+    with pytest.raises(FileExistsError, match="already exists" if when == "import" else "appeared while converting"):
+        converters.convert(src, dst, dtype="float32", progress=False)
+    assert (dst / "theirs").read_text() == "the winner's output" and (dst / "jaxmodels.json").exists()
+    assert _leftovers(dst) == []
+
+
+def test_temporaries_of_dead_conversions_are_removed(src, tmp_path):
+    import subprocess
+    import socket
+
+    dst = tmp_path / "out"
+    child = subprocess.Popen(["true"])
+    child.wait()  # a finished, reaped child: its pid names no process
+    stale, live, foreign = (tmp_path / f".out.{n}.partial" for n in ("a", "b", "c"))
+    for d, owner in ((stale, f"{socket.gethostname()} {child.pid}"), (live, f"{socket.gethostname()} 1"),
+                     (foreign, None)):
+        d.mkdir()
+        (d / "params").write_text("half written")
+        if owner:
+            (d / "owner").write_text(owner)
+    converters.convert(src, dst, dtype="float32", progress=False)
+    assert not stale.exists() and live.exists() and foreign.exists()  # pid 1 runs; no owner: not ours to judge
+
+
+def test_output_follows_the_umask(src, tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        dst = converters.convert(src, tmp_path / "out", dtype="float32", progress=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o755
 
 
 # --------------------------------------------------------------------------------------------- generate
