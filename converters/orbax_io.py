@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from jaxmodels.checkpoint import CONFIG_FILE, FORMAT_VERSION
+from jaxmodels.checkpoint import CONFIG_FILE, FORMAT_VERSION, checksums
 from jaxmodels.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, overwr
             tokenizer.save(tmp)
         dtypes = sorted({str(a.dtype) for a in jax.tree.leaves(params)})
         meta = {"format_version": FORMAT_VERSION, "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-                "config": cfg.to_dict()}
+                "config": cfg.to_dict(), "files": checksums(tmp / "params")}  # verified at load
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
         (tmp / OWNER).unlink()
         _move_in(tmp, dst, overwrite, src)

@@ -56,9 +56,9 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
         sharding_of = None
         if mesh is not None:  # by the rules where the plan names the axes; the rest (MTP, quantized bytes) replicated
             placed = _plan.flatten(sharding.shardings(cfg, mesh, rules))
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            replicated = jax.sharding.NamedSharding(sharding.auto_axes(mesh), jax.sharding.PartitionSpec())
             sharding_of = lambda p: placed.get(p, replicated)  # noqa: E731
-        params = checkpoint.load_params(path, sharding_of)
+        params = checkpoint.load_params(path, cfg, sharding_of)
         params = jax.tree.map(jnp.asarray, params) if mesh is None else params
         tok = Tokenizer.from_dir(path)
     else:

@@ -247,7 +247,7 @@ def head(params, cfg: ModelConfig, x, shard=None):
     h = norm(x, params["final_norm"], cfg.norm_eps, cfg.norm)
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     if h.dtype == w.dtype:
-        logits = jnp.einsum("...d,dv->...v", h, w, preferred_element_type=F32)
+        logits = attention.einsum_f32("...d,dv->...v", h, w)
     else:
         logits = jnp.einsum("...d,dv->...v", h.astype(F32), w.astype(F32))
     if cfg.logit_scale is not None:

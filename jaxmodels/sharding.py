@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmodels import plan
 
@@ -53,6 +53,15 @@ def make_mesh(spec: str | dict, devices=None) -> Mesh:
     return Mesh(devices.reshape(tuple(spec.values())), tuple(spec))
 
 
+def auto_axes(mesh: Mesh) -> Mesh:
+    """The same devices and axis names, every axis Auto. The rules place arrays and pin activations by
+    PartitionSpecs and let XLA propagate the rest; Explicit axes (`jax.make_mesh`'s default) would instead ask
+    every gather and dot in the model for its output sharding."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def spec_for(names, shape, mesh: Mesh, rules: dict) -> P:
     """PartitionSpec for logical `names`; axes the mesh lacks, or that do not divide the dim, stay replicated."""
     out, used = [], set()
@@ -85,6 +94,7 @@ def param_specs(cfg, mesh: Mesh, rules="tp") -> dict:
 
 
 def shardings(cfg, mesh: Mesh, rules="tp") -> dict:
+    mesh = auto_axes(mesh)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, mesh, rules),
                         is_leaf=lambda x: isinstance(x, P))
 
@@ -112,7 +122,7 @@ class Sharding:
         if mesh is None:
             return None
         r = _rules(rules)
-        return cls(mesh, tuple(sorted((k, v if isinstance(v, str) else tuple(v)) for k, v in r.items())))
+        return cls(auto_axes(mesh), tuple(sorted((k, v if isinstance(v, str) else tuple(v)) for k, v in r.items())))
 
     def constrain(self, x, names: tuple):
         """with_sharding_constraint by logical names."""

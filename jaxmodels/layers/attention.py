@@ -9,6 +9,14 @@ from jaxmodels.layers.norms import norm
 F32 = jnp.float32
 
 
+def einsum_f32(eq: str, a, b):
+    """einsum accumulated and returned in fp32. XLA:CPU has no f16 x f16 -> f32 dot: there float16 operands are
+    widened first (exact, and only on the CPU)."""
+    if jnp.float16 in (a.dtype, b.dtype) and jax.default_backend() == "cpu":
+        a, b = a.astype(F32), b.astype(F32)
+    return jnp.einsum(eq, a, b, preferred_element_type=F32)
+
+
 def mask(q_pos, k_pos, window: int | None, k_valid=None):
     """Boolean [B, Tq, Tk]: key visible to query iff k <= q (and k > q - W for a window of W keys).
 
@@ -33,7 +41,7 @@ def attend(q, k, v, allowed, *, scale: float, softcap: float | None = None, sink
     b, tq, h, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, tq, kv, h // kv, d)
-    s = jnp.einsum("bqgrd,bgkd->bgrqk", qg, k, preferred_element_type=F32) * scale
+    s = einsum_f32("bqgrd,bgkd->bgrqk", qg, k) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(allowed[:, None, None], s, jnp.finfo(F32).min)
@@ -51,6 +59,8 @@ def causal(q, k, v, *, scale: float, window: int | None = None):
     """Causal (optionally sliding-window) attention of a whole sequence with itself through
     `jax.nn.dot_product_attention`: cuDNN's fused kernel on GPU for bf16/fp16, XLA elsewhere.
     q [B, T, H, d], k/v [B, K, T, d] -> [B, T, H, d]. Same semantics as `attend` with `mask(pos, pos, window)`."""
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":  # no f16 x f16 -> f32 dot there (einsum_f32)
+        return causal(q.astype(F32), k.astype(F32), v.astype(F32), scale=scale, window=window).astype(q.dtype)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)  # cuDNN: half types only
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,

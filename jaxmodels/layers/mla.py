@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmodels.layers import qdq, rope
+from jaxmodels.layers.attention import einsum_f32
 from jaxmodels.layers.norms import norm
 
 F32 = jnp.float32
@@ -136,11 +137,11 @@ def attend(q, kv_win, allow_win, kv_cmp, allow_cmp, sinks, scale: float):
     q [B, T, H, d]; kv_win [B, W, d] with allow_win [B, T, W]; kv_cmp [B, N, d] with allow_cmp [B, T, N]
     (or None); sinks [H] (unscaled, in the denominator only). K = V. A row with nothing allowed gives 0.
     """
-    logits = [jnp.einsum("bthd,bsd->bhts", q, kv_win, preferred_element_type=F32) * scale]  # fp32 logits
+    logits = [einsum_f32("bthd,bsd->bhts", q, kv_win) * scale]  # fp32 logits
     allow = [allow_win]
     values = [kv_win]
     if kv_cmp is not None:
-        logits.append(jnp.einsum("bthd,bsd->bhts", q, kv_cmp, preferred_element_type=F32) * scale)
+        logits.append(einsum_f32("bthd,bsd->bhts", q, kv_cmp) * scale)
         allow.append(allow_cmp)
         values.append(kv_cmp)
     z = jnp.where(jnp.concatenate(allow, -1)[:, None], jnp.concatenate(logits, -1), NEG)
