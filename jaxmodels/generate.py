@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxmodels import model as M
 from jaxmodels.distributed import to_host
-from jaxmodels.sampling import Sampling, sample
+from jaxmodels.sampling import Sampling, is_int, sample
 
 
 @dataclass
@@ -31,32 +31,51 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
+def _stop_table(seqs: list[list[int]]) -> np.ndarray:
+    """Stop id sequences [S, L], right-aligned; -1 pads on the left match anything."""
+    L = max(map(len, seqs), default=1)
+    table = np.full((len(seqs), L), -1, np.int32)
+    for i, q in enumerate(seqs):
+        table[i, L - len(q):] = q
+    return table
+
+
+def _stopped(tail, stops):
+    """tail [B, L] last generated ids (-2 before the first), stops [S, L] -> [B] bool: a row ends with a stop."""
+    hit = (stops[None] == tail[:, None]) | (stops[None] < 0)
+    return jnp.any(jnp.all(hit, axis=-1), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard"))
-def _generate(params, tokens, lengths, key, eos, *, cfg, max_new, sampling, max_len, unroll=1, shard=None):
+def _generate(params, tokens, lengths, key, eos, stops=None, *, cfg, max_new, sampling, max_len, unroll=1,
+              shard=None):
     B = tokens.shape[0]
+    stops = jnp.full((0, 1), -1, jnp.int32) if stops is None else stops
     cache = M.init_cache(cfg, B, max_len, params["embed"].dtype, shard=shard)  # allocated once, updated in place
     logits, cache = M.prefill(params, cfg, tokens, lengths, cache, shard=shard)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sampling)
     out = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, eos)
+    tail = jnp.full((B, stops.shape[1]), -2, jnp.int32).at[:, -1].set(first)  # the last L tokens, for stops
+    done = jnp.isin(first, eos) | _stopped(tail, stops)
 
     def cond(state):
-        step, _, _, done, _, _ = state
+        step, _, _, _, done, _, _ = state
         return (step < max_new) & ~jnp.all(done)
 
     def body(state):
-        step, tok, out, done, cache, key = state
+        step, tok, out, tail, done, cache, key = state
         logits, cache = M.decode_step(params, cfg, tok, lengths + step - 1, cache, unroll, shard=shard)
         key, sub = jax.random.split(key)
         nxt = sample(logits, sub, sampling)
         nxt = jnp.where(done, 0, nxt)
         out = out.at[:, step].set(nxt)
-        done = done | jnp.isin(nxt, eos)
-        return step + 1, nxt, out, done, cache, key
+        tail = jnp.concatenate([tail[:, 1:], nxt[:, None]], axis=1)
+        done = done | jnp.isin(nxt, eos) | _stopped(tail, stops)  # a done row idles; the others go on
+        return step + 1, nxt, out, tail, done, cache, key
 
-    state = (jnp.int32(1), first, out, done, cache, key)
-    step, _, out, _, _, _ = jax.lax.while_loop(cond, body, state)
+    state = (jnp.int32(1), first, out, tail, done, cache, key)
+    step, _, out, _, _, _, _ = jax.lax.while_loop(cond, body, state)
     return out, step
 
 
@@ -67,73 +86,126 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     """Generate continuations for a batch of prompts (strings, or lists of token ids).
 
     chat: wrap each string prompt as one user message with the checkpoint's chat template.
-    stop: strings (or token-id lists) that end a continuation; EOS tokens stop unless `ignore_eos`.
-    max_len: cache length (default: prompt + max_new_tokens, rounded up to a power of two).
+    stop: a string, or a list of strings / token-id lists, each ending a continuation (excluded from it); a row
+        ends on device once its last tokens are a stop's ids. EOS tokens stop unless `ignore_eos`.
+    max_len: cache length (default: prompt + max_new_tokens, rounded up to a power of two), at most the
+        model's max_position_embeddings.
     unroll: unroll of the decode loop over layers. True reads each layer's weights in place and
         decodes ~2x faster on GPU (BENCHMARKS.md), at a compile time that grows with depth.
+
+    Token ids must be ints in [0, vocab_size); bad ids, stops and sampling arguments raise ValueError.
     """
     cfg, tok = model.config, model.tokenizer
-    if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or (len(prompts) and is_int(prompts[0])):
         raise TypeError("prompts must be a list of strings or a list of token-id lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ids = []
-    for p in prompts:
-        if isinstance(p, str):
-            if tok is None:
-                raise ValueError("this model has no tokenizer: pass token ids")
-            ids.append(tok.encode_chat(p) if chat else tok.encode(p))
-        else:
-            ids.append([int(t) for t in p])
-    if not ids or any(len(p) == 0 for p in ids):
-        raise ValueError("every prompt needs at least one token")
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not is_int(seed) or not 0 <= seed < 2**32:  # PRNGKey keeps 32 bits: larger or negative seeds collide
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    sampling = Sampling(temperature, top_k, top_p, min_p)
+    if not len(prompts):
+        raise ValueError("no prompts given")
+    ids = [_prompt_ids(i, p, tok, chat, cfg.vocab_size) for i, p in enumerate(prompts)]
+    stops = _stops(stop, tok, cfg.vocab_size)
     longest = max(map(len, ids))
     limit = cfg.max_position_embeddings
     if longest + max_new_tokens > limit:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
                          f"max_position_embeddings={limit}")
-    T = min(_bucket(longest), limit)
-    if max_len is not None and max_len < longest + max_new_tokens:
-        raise ValueError(f"max_len={max_len} is shorter than prompt ({longest}) + max_new_tokens ({max_new_tokens})")
+    if max_len is not None and (not is_int(max_len) or not longest + max_new_tokens <= max_len <= limit):
+        raise ValueError(f"max_len={max_len!r} must be an int between prompt ({longest}) + max_new_tokens "
+                         f"({max_new_tokens}) and the model's max_position_embeddings={limit}")
     max_len = max_len or min(_bucket(longest + max_new_tokens), limit)
+    T = min(_bucket(longest), limit)
     tokens = np.zeros((len(ids), T), np.int32)
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in ids], jnp.int32)
-    sampling = Sampling(temperature, top_k, top_p, min_p)
     eos = set() if ignore_eos else set(cfg.eos_token_ids)
     if tok is not None and tok.eos_id is not None and not ignore_eos:
         eos.add(tok.eos_id)
     t0 = time.perf_counter()
     out, steps = _generate(model.params, jnp.asarray(tokens), lengths, jax.random.PRNGKey(seed),
-                           jnp.asarray(sorted(eos) or [-1], jnp.int32), cfg=cfg, max_new=max_new_tokens,
+                           jnp.asarray(sorted(eos) or [-1], jnp.int32),
+                           jnp.asarray(_stop_table([q for _, q in stops if q])), cfg=cfg, max_new=max_new_tokens,
                            sampling=sampling, max_len=max_len, unroll=unroll, shard=model.sharding)
     out = to_host(out)[:, : int(steps)]
     seconds = time.perf_counter() - t0
-    results = [_cut(list(map(int, row)), eos, stop, tok) for row in out]
+    results = [_cut(list(map(int, row)), eos, stops, tok) for row in out]
     texts = [tok.decode(r) for r in results] if tok is not None else None
-    if texts is not None and stop:
-        texts = [_cut_text(t, [s for s in stop if isinstance(s, str)]) for t in texts]
+    if texts is not None and stops:
+        texts = [_cut_text(t, [s for s, _ in stops if s is not None]) for t in texts]
     return GenerateOutput(results, texts, ids, seconds)
 
 
-def _cut(row: list[int], eos: set[int], stop, tok) -> list[int]:
+def _ids(what: str, seq, vocab: int) -> list[int]:
+    """Token ids as Python ints, each in [0, vocab): the embedding gather would wrap or clamp any other."""
+    if isinstance(seq, (str, bytes, bytearray)):  # iterating bytes gives ints: never read bytes as token ids
+        raise ValueError(f"{what} is {type(seq).__name__}: pass a str or a list of token ids")
+    if hasattr(seq, "dtype") and getattr(seq, "ndim", 0) == 1 and np.issubdtype(seq.dtype, np.integer):
+        seq = np.asarray(seq).tolist()  # an integer array: no per-element checks needed
+    try:
+        seq = list(seq)
+    except TypeError:
+        raise ValueError(f"{what} must be a str or a list of token ids, got {type(seq).__name__}") from None
+    if not seq:
+        raise ValueError(f"{what} has no tokens")
+    for t in seq:
+        if not is_int(t):
+            raise ValueError(f"{what}: token id {t!r} is not an int")
+        if not 0 <= t < vocab:
+            raise ValueError(f"{what}: token id {t} is outside the vocabulary [0, {vocab})")
+    return [int(t) for t in seq]
+
+
+def _prompt_ids(i: int, p, tok, chat: bool, vocab: int) -> list[int]:
+    if isinstance(p, str):
+        if tok is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        p = tok.encode_chat(p) if chat else tok.encode(p)
+    return _ids(f"prompt {i}", p, vocab)
+
+
+def _stops(stop, tok, vocab: int) -> list[tuple[str | None, list[int] | None]]:
+    """Each stop sequence as (text or None, token ids to end on device or None).
+
+    A bare string is one stop sequence (not its characters). A string's ids are its encoding without special
+    tokens, used on device only when they decode back to it; the text is also cut on the host, since the model
+    may spell it with other tokens.
+    """
+    if stop is None:
+        return []
+    seqs = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else None
+    if seqs is None or any(is_int(s) for s in seqs):  # a flat id list is ambiguous: one sequence or several?
+        raise ValueError(f"stop must be a string or a list of strings / token-id lists (e.g. [[5], [6, 7]]), "
+                         f"got {stop!r}")
+    out = []
+    for j, s in enumerate(seqs):
+        if not isinstance(s, str):
+            out.append((None, _ids(f"stop {j}", s, vocab)))
+            continue
+        if not s:
+            raise ValueError(f"stop {j} is an empty string: it would end every continuation at once")
+        if tok is None:
+            raise ValueError(f"stop {j} is a string but this model has no tokenizer: pass token ids")
+        q = tok.encode(s, add_special_tokens=False)
+        out.append((s, q if q and s in tok.decode(q, skip_special_tokens=False) else None))
+    return out
+
+
+def _cut(row: list[int], eos: set[int], stops, tok) -> list[int]:
     """Drop everything from the first EOS or stop sequence on."""
     end = next((i for i, t in enumerate(row) if t in eos), len(row))
     row = row[:end]
-    for s in stop or ():
-        seq = list(s) if not isinstance(s, str) else None
-        if seq:
-            for i in range(len(row) - len(seq) + 1):
-                if row[i: i + len(seq)] == seq:
-                    row = row[:i]
-                    break
-        elif tok is not None:  # a string: cut at the first token whose decoded prefix contains it
-            for i in range(1, len(row) + 1):
-                if s in tok.decode(row[:i]):
-                    row = row[: i - 1]
-                    break
-    return row
+    cut = len(row)
+    for s, q in stops:
+        if q:
+            cut = next((i for i in range(cut - len(q) + 1) if row[i: i + len(q)] == q), cut)
+        i = next((i for i in range(1, cut + 1) if s in tok.decode(row[:i])), None) if s is not None else None
+        if i is not None:  # the text holds s from token i - 1 on: cut before the first token reaching into it
+            start = tok.decode(row[:i]).find(s)
+            cut = next(j for j in range(i - 1, -1, -1) if len(tok.decode(row[:j])) <= start)
+    return row[:cut]
 
 
 def _cut_text(text: str, stops: list[str]) -> str:

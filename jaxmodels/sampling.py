@@ -1,6 +1,8 @@
 """Next-token selection from logits: greedy, or temperature with top-k / top-p / min-p filters."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import jax
@@ -17,18 +19,30 @@ class Sampling:
     min_p: float | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check("temperature", self.temperature, lambda v: 0 <= v < math.inf, "a finite number >= 0")
+        if self.top_k is not None and not (is_int(self.top_k) and self.top_k >= 1):
+            raise ValueError(f"top_k must be an int >= 1, got {self.top_k!r}")
+        if self.top_p is not None:
+            _check("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        if self.min_p is not None:
+            _check("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def is_int(x) -> bool:
+    """Python/numpy integers and 0-d integer arrays; not bools or floats (int() would silently truncate those)."""
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, numbers.Integral) or (getattr(x, "ndim", None) == 0 and jnp.issubdtype(x.dtype, jnp.integer))
+
+
+def _check(name: str, value, ok, want: str) -> None:
+    # NaN fails every comparison in `ok`, so it is refused here rather than sampling token 0 forever
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(value):
+        raise ValueError(f"{name} must be {want}, got {value!r}")
 
 
 def filter_logits(logits, s: Sampling):
