@@ -1,14 +1,13 @@
 """Checkpoint import: HF safetensors / PyTorch directories and GGUF files -> the jaxmodels format."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from converters.hf import import_params, import_sharded
 from converters.quant import MXFP4Reader
-from converters.safetensors_io import CheckpointError, SafetensorsReader, TorchReader
-from jaxmodels import families
+from converters.safetensors_io import INDEX, CheckpointError, SafetensorsReader, TorchReader
+from jaxmodels import families, files
 from jaxmodels.config import ModelConfig
 from jaxmodels.tokenizer import Tokenizer
 
@@ -22,17 +21,17 @@ def open_source(src: str | Path):
     src = Path(src)
     if not src.exists():
         raise FileNotFoundError(f"checkpoint {src} does not exist")
-    if src.is_file() and src.suffix == ".gguf":
+    if src.suffix == ".gguf" and not src.is_dir():  # a FIFO or device too: GGUFFile names it
         from converters.gguf_io import GGUFReader
 
         reader = GGUFReader(src)
         hf, tok = reader.hf_config, reader.tokenizer()
     else:
         root = src if src.is_dir() else src.parent
-        if not (root / "config.json").exists():
+        if (config := files.find(root, "config.json")) is None:
             raise CheckpointError(f"{root}: no config.json (expected an HF model directory or a .gguf file)")
-        hf = json.loads((root / "config.json").read_text())
-        has_st = any(root.glob("*.safetensors")) or (root / "model.safetensors.index.json").exists()
+        hf = files.read_json(config, files.MAX_METADATA_BYTES)
+        has_st = any(root.glob("*.safetensors")) or (root / INDEX).exists()
         reader, tok = MXFP4Reader(SafetensorsReader(root) if has_st else TorchReader(src)), Tokenizer.from_dir(root)
     return families.config_from_hf(hf), reader, families.get(families.model_type(hf)), tok
 

@@ -28,6 +28,7 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from converters.safetensors_io import CheckpointError
+from jaxmodels import files
 from jaxmodels.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class GGUFFile:
 
     def __init__(self, path: Path):
         self.path = path
-        with open(path, "rb") as f:
+        with open(files.regular(path), "rb") as f:
             try:
                 self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError:  # empty file
@@ -200,6 +201,13 @@ class GGUFReader:
     def _field(self, key, default=None):
         return self.reader.fields.get(key, default)
 
+    def _token_id(self, key: str, vocab_size: int | None) -> int | None:
+        """Metadata field `key`, a token id (or absent), checked against the vocabulary."""
+        i = self._field(key)
+        if i is not None and vocab_size is not None and not (isinstance(i, int) and 0 <= i < vocab_size):
+            raise CheckpointError(f"{self.path.name}: {key} = {i!r} is not a token id (vocabulary of {vocab_size})")
+        return i
+
     def _hf_name(self, name: str) -> str:
         if name in GLOBAL_NAMES:
             return GLOBAL_NAMES[name]
@@ -226,12 +234,12 @@ class GGUFReader:
             "rms_norm_eps": g("attention.layer_norm_rms_epsilon", 1e-5),
             "max_position_embeddings": g("context_length", 2048),
             "tie_word_embeddings": "output.weight" not in names,
-            "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
             "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
         }
         if cfg["vocab_size"] is None and "token_embd.weight" in names:
             cfg["vocab_size"] = int(next(t for t in self.reader.tensors if t.name == "token_embd.weight").dims[1])
+        for k in ("bos_token_id", "eos_token_id"):
+            cfg[k] = self._token_id(f"tokenizer.ggml.{k}", cfg["vocab_size"])
         scaling = None
         kind = g("rope.scaling.type")
         if kind and kind != "none":
@@ -312,7 +320,7 @@ class GGUFReader:
             vocab = tok.get_vocab()
             tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
                             for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
-        bos, eos = self._field("tokenizer.ggml.bos_token_id"), self._field("tokenizer.ggml.eos_token_id")
+        bos, eos = (self._token_id(f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("bos", "eos"))
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
         add_bos = self._field("tokenizer.ggml.add_bos_token", kind == "llama")
         return Tokenizer(tok, self._field("tokenizer.chat_template"), None if bos is None else tokens[bos],
@@ -348,7 +356,7 @@ class GGUFReader:
                 if t[:k] in vocab and t[k:] in vocab:
                     merges.append((r, k, len(t) - k, t[:k], t[k:]))
         merges.sort(key=lambda m: m[:3], reverse=True)  # keys are unique: the order is fully determined
-        unk = self._field("tokenizer.ggml.unknown_token_id")
+        unk = self._token_id("tokenizer.ggml.unknown_token_id", len(tokens))
         tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], fuse_unk=True,
                                               unk_token=tokens[unk] if unk is not None else "<unk>",
                                               dropout=None, byte_fallback=True))

@@ -8,9 +8,12 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from jaxmodels import files
+from jaxmodels.files import CheckpointError
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be imported; the message names the file or tensor."""
+__all__ = ["CheckpointError", "SafetensorsReader", "TorchReader"]
+INDEX = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on a file's JSON header
 
 
 def _check_complete(path: Path) -> None:
@@ -21,10 +24,12 @@ def _check_complete(path: Path) -> None:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
                 raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: a safetensors header of {n:,} bytes (at most {MAX_HEADER_BYTES:,})")
             header = json.loads(f.read(n))
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, AttributeError, LookupError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({type(e).__name__}: {e})") from None
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, tensors end at {8 + n + end})")
 
@@ -34,24 +39,32 @@ class SafetensorsReader:
 
     def __init__(self, root: str | Path):
         root = self._root = Path(root)
-        index = root / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+        if index := files.find(root, INDEX):
+            weight_map = files.read_json(index, files.MAX_INDEX_BYTES).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: weight_map is not an object of tensor name -> file name")
+            names = sorted(set(weight_map.values()))
         else:
-            files = sorted(p.name for p in root.glob("*.safetensors") if not p.name.startswith("consolidated"))
-            if not files:
+            names = sorted(p.name for p in root.glob("*.safetensors") if not p.name.startswith("consolidated"))
+            if not names:
                 raise CheckpointError(f"{root}: no *.safetensors files")
             weight_map = None
         self._handles, self._where = {}, {}
-        for name in files:
-            path = root / name
-            if not path.exists():
-                raise CheckpointError(f"{path}: listed in the index but missing")
+        for name in names:
+            path = files.find(root, name)
+            if path is None:
+                raise CheckpointError(f"{root / name}: " + ("a dangling link" if weight_map is None else
+                                                            "listed in the index but missing"))
             _check_complete(path)
             h = safe_open(str(path), framework="np")
             self._handles[name] = h
             for key in h.keys():
+                if weight_map is not None and key in weight_map:
+                    if weight_map[key] != name:
+                        continue  # the index says which file holds it
+                elif key in self._where:
+                    raise CheckpointError(f"tensor {key!r} is in two files, {self._where[key]} and {name}"
+                                          + ("" if weight_map is None else ", and the index names neither"))
                 self._where[key] = name
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self._where))
@@ -84,12 +97,16 @@ class TorchReader:
         import torch  # optional dependency: only this format needs it
 
         root = Path(root)
-        files = [root] if root.is_file() else sorted(
-            p for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth") and not p.name.startswith("training"))
-        if not files:
+        if root.is_file():
+            paths = [files.regular(root)]
+        else:
+            paths = [files.find(root, p.name) for p in sorted(root.iterdir())
+                     if p.suffix in (".bin", ".pt", ".pth") and not p.name.startswith("training")]
+            paths = [p for p in paths if p is not None]  # dangling links
+        if not paths:
             raise CheckpointError(f"{root}: no .bin/.pt files")
         self._tensors = {}
-        for f in files:
+        for f in paths:
             try:
                 sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:  # noqa: BLE001 - torch raises many kinds; name the file

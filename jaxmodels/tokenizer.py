@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jinja2
-import jinja2.sandbox
 import tokenizers
+
+from jaxmodels import chat_template, files
+from jaxmodels.files import CheckpointError
 
 
 class Tokenizer:
@@ -36,15 +37,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(msg):
-            raise jinja2.exceptions.TemplateError(msg)
-
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return chat_template.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def encode_chat(self, text: str) -> list[int]:
         """A single user message, templated; the template already holds any BOS."""
@@ -60,18 +54,25 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> "Tokenizer | None":
-        directory = Path(directory)
-        if not (directory / "tokenizer.json").exists():
+        """The tokenizer of a checkpoint or converted directory (None without a tokenizer.json); its files are read
+        with `jaxmodels.files`' rules: inside the directory, regular, bounded."""
+        if (path := files.find(directory, "tokenizer.json")) is None:
             return None
-        tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-        meta = {}
-        if (directory / "tokenizer_config.json").exists():
-            meta = json.loads((directory / "tokenizer_config.json").read_text())
+        text = files.read_text(path, files.MAX_TOKENIZER_BYTES)
+        try:
+            tok = tokenizers.Tokenizer.from_str(text)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
+            raise CheckpointError(f"{path}: not a tokenizer the `tokenizers` library can read ({e})") from None
+        config = files.find(directory, "tokenizer_config.json")
+        meta = {} if config is None else files.read_json(config, files.MAX_METADATA_BYTES)
         template = meta.get("chat_template")
-        if template is None and (directory / "chat_template.jinja").exists():
-            template = (directory / "chat_template.jinja").read_text()
+        if template is None and (jinja := files.find(directory, "chat_template.jinja")) is not None:
+            template = files.read_text(jinja, files.MAX_METADATA_BYTES)
         if isinstance(template, list):  # HF allows named templates; take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default", next(iter(named.values()), None))
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{config}: chat_template is neither a string nor a list of named templates")
 
         def token(key):
             v = meta.get(key)
