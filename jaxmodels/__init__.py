@@ -42,13 +42,15 @@ class Model:
 
 
 def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
-         rules: str | dict = "tp") -> Model:
+         rules: str | dict = "tp", verify: bool = True) -> Model:
     """Load a converted directory, or import a source checkpoint (HF dir, .gguf) directly into memory.
 
     mesh: place the parameters on this mesh (axes among data, fsdp, tensor, expert) by `rules` (a preset
     name of `jaxmodels.sharding.RULES` or a dict); a converted directory is restored straight into
     that sharding, each device reading only its shards. dtype: cast the floating parameters (those the plan
-    keeps fp32, e.g. mHC mixes and sinks, stay fp32).
+    keeps fp32, e.g. mHC mixes and sinks, stay fp32). verify: check a converted directory's files against the
+    checksums written at conversion (one more read of the files, on process 0; a few % of the restore when the
+    page cache holds them).
     """
     path = Path(path)
     if checkpoint.is_converted(path):
@@ -58,7 +60,7 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
             placed = _plan.flatten(sharding.shardings(cfg, mesh, rules))
             replicated = jax.sharding.NamedSharding(sharding.auto_axes(mesh), jax.sharding.PartitionSpec())
             sharding_of = lambda p: placed.get(p, replicated)  # noqa: E731
-        params = checkpoint.load_params(path, cfg, sharding_of)
+        params = checkpoint.load_params(path, cfg, sharding_of, verify)
         params = jax.tree.map(jnp.asarray, params) if mesh is None else params
         tok = Tokenizer.from_dir(path)
     else:
@@ -81,4 +83,5 @@ def _forward(params, cfg, tokens, shard):
 
 def forward(model: Model, tokens) -> jax.Array:
     """tokens int32 [B, T] -> float32 logits [B, T, vocab] (no cache)."""
-    return _forward(model.params, model.config, jnp.asarray(tokens, jnp.int32), model.sharding)
+    with sharding.entered(model.sharding):
+        return _forward(model.params, model.config, jnp.asarray(tokens, jnp.int32), model.sharding)

@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -21,7 +22,7 @@ def _convert(args) -> int:
 
 def describe(path: str | Path) -> dict:
     """Architecture, layer plan, parameter count and bytes of a converted dir or a source checkpoint."""
-    from jaxmodels import checkpoint, families, plan
+    from jaxmodels import checkpoint, families, files, plan
 
     path = Path(path)
     if checkpoint.is_converted(path):
@@ -33,7 +34,10 @@ def describe(path: str | Path) -> dict:
 
         cfg, dtype = families.config_from_hf(GGUFReader(path).hf_config), "gguf (quantized)"
     else:
-        cfg, dtype = families.config_from_hf(json.loads((path / "config.json").read_text())), "source"
+        if (config := files.find(path, "config.json")) is None:
+            raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory, a .gguf file or a "
+                                    f"converted model)")
+        cfg, dtype = families.config_from_hf(files.read_json(config, files.MAX_METADATA_BYTES)), "source"
     width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype if isinstance(dtype, str) else "", None)
     n = plan.param_count(cfg)
     pl = plan.plan(cfg)
@@ -170,6 +174,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num-processes", type=int, help="multi-host: number of processes")
     g.add_argument("--process-id", type=int, help="multi-host: this process's index")
     g.set_defaults(fn=_generate)
+    for command in (c, i, g):
+        command.add_argument("--debug", action="store_true", help="show the full trace of an error")
     return p
 
 
@@ -178,9 +184,23 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"jaxmodels {args.cmd}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"jaxmodels {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # every failure a user can cause is one line; --debug shows where it came from
+        if args.debug:
+            traceback.print_exc()
+        print(f"jaxmodels {args.cmd}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: Exception) -> str:
+    if isinstance(e, OSError) and e.filename is not None:  # "[Errno 30] Read-only file system: 'x'" -> "x: ..."
+        return f"{e.filename}: {e.strerror or e}"
+    text = " ".join(str(e).split()) or "(no message)"
+    if isinstance(e, (ValueError, OSError, NotImplementedError)):  # ours, or the OS: the message says it all
+        return text
+    return f"{type(e).__name__}: {text} (an unexpected failure; --debug shows the trace)"
 
 
 if __name__ == "__main__":

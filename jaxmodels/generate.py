@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels import model as M
+from jaxmodels import model as M, sharding
 from jaxmodels.distributed import to_host
 from jaxmodels.sampling import Sampling, is_int, sample
 
@@ -32,9 +32,12 @@ def _bucket(n: int, minimum: int = 16) -> int:
 
 
 def _stop_table(seqs: list[list[int]]) -> np.ndarray:
-    """Stop id sequences [S, L], right-aligned; -1 pads on the left match anything."""
-    L = max(map(len, seqs), default=1)
-    table = np.full((len(seqs), L), -1, np.int32)
+    """Stop id sequences [S, L], right-aligned; -1 pads on the left match anything. S and L are rounded up to
+    powers of two (at least 4 x 8) so that most stop lists share one compilation; the padding rows end in -3,
+    which no tail holds, and never match."""
+    L = _bucket(max(map(len, seqs), default=1), 8)
+    table = np.full((_bucket(len(seqs), 4), L), -1, np.int32)
+    table[len(seqs):, -1] = -3
     for i, q in enumerate(seqs):
         table[i, L - len(q):] = q
     return table
@@ -42,7 +45,7 @@ def _stop_table(seqs: list[list[int]]) -> np.ndarray:
 
 def _stopped(tail, stops):
     """tail [B, L] last generated ids (-2 before the first), stops [S, L] -> [B] bool: a row ends with a stop."""
-    hit = (stops[None] == tail[:, None]) | (stops[None] < 0)
+    hit = (stops[None] == tail[:, None]) | (stops[None] == -1)
     return jnp.any(jnp.all(hit, axis=-1), axis=-1)
 
 
@@ -50,7 +53,7 @@ def _stopped(tail, stops):
 def _generate(params, tokens, lengths, key, eos, stops=None, *, cfg, max_new, sampling, max_len, unroll=1,
               shard=None):
     B = tokens.shape[0]
-    stops = jnp.full((0, 1), -1, jnp.int32) if stops is None else stops
+    stops = jnp.asarray(_stop_table([])) if stops is None else stops
     cache = M.init_cache(cfg, B, max_len, params["embed"].dtype, shard=shard)  # allocated once, updated in place
     logits, cache = M.prefill(params, cfg, tokens, lengths, cache, shard=shard)
     key, sub = jax.random.split(key)
@@ -120,15 +123,16 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     tokens = np.zeros((len(ids), T), np.int32)
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
-    lengths = jnp.asarray([len(p) for p in ids], jnp.int32)
+    lengths = np.asarray([len(p) for p in ids], np.int32)  # host arrays: created inside no one's context mesh
     eos = set() if ignore_eos else set(cfg.eos_token_ids)
     if tok is not None and tok.eos_id is not None and not ignore_eos:
         eos.add(tok.eos_id)
     t0 = time.perf_counter()
-    out, steps = _generate(model.params, jnp.asarray(tokens), lengths, jax.random.PRNGKey(seed),
-                           jnp.asarray(sorted(eos) or [-1], jnp.int32),
-                           jnp.asarray(_stop_table([q for _, q in stops if q])), cfg=cfg, max_new=max_new_tokens,
-                           sampling=sampling, max_len=max_len, unroll=unroll, shard=model.sharding)
+    with sharding.entered(model.sharding):
+        out, steps = _generate(model.params, tokens, lengths, np.asarray(jax.random.PRNGKey(seed)),
+                               np.asarray(sorted(eos) or [-1], np.int32), _stop_table([q for _, q in stops if q]),
+                               cfg=cfg, max_new=max_new_tokens, sampling=sampling, max_len=max_len, unroll=unroll,
+                               shard=model.sharding)
     out = to_host(out)[:, : int(steps)]
     seconds = time.perf_counter() - t0
     results = [_cut(list(map(int, row)), eos, stops, tok) for row in out]
@@ -201,10 +205,11 @@ def _cut(row: list[int], eos: set[int], stops, tok) -> list[int]:
     for s, q in stops:
         if q:
             cut = next((i for i in range(cut - len(q) + 1) if row[i: i + len(q)] == q), cut)
-        i = next((i for i in range(1, cut + 1) if s in tok.decode(row[:i])), None) if s is not None else None
-        if i is not None:  # the text holds s from token i - 1 on: cut before the first token reaching into it
-            start = tok.decode(row[:i]).find(s)
-            cut = next(j for j in range(i - 1, -1, -1) if len(tok.decode(row[:j])) <= start)
+        if s is None or s not in tok.decode(row[:cut]):  # the common case: one decode, not one per token
+            continue
+        i = next(i for i in range(1, cut + 1) if s in tok.decode(row[:i]))
+        start = tok.decode(row[:i]).find(s)  # the text holds s from token i - 1 on: cut before the first token
+        cut = next(j for j in range(i - 1, -1, -1) if len(tok.decode(row[:j])) <= start)  # reaching into it
     return row[:cut]
 
 

@@ -11,6 +11,7 @@ Activations are pinned through a `Sharding` passed to the executor as an argumen
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -60,6 +61,11 @@ def auto_axes(mesh: Mesh) -> Mesh:
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def entered(shard: "Sharding | None"):
+    """`shard.entered()`, or nothing to enter when unsharded."""
+    return contextlib.nullcontext() if shard is None else shard.entered()
 
 
 def spec_for(names, shape, mesh: Mesh, rules: dict) -> P:
@@ -128,6 +134,11 @@ class Sharding:
         """with_sharding_constraint by logical names."""
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec_for(names, x.shape, self.mesh,
                                                                                       dict(self.rules))))
+
+    def entered(self):
+        """Our Auto mesh as the context mesh while jitted code traces and runs: inside a user's
+        `jax.set_mesh(an Explicit mesh)` JAX would otherwise refuse shardings on a mesh of other axis types."""
+        return jax.set_mesh(self.mesh)
 
     def expert_axis(self, num_experts: int) -> tuple[Mesh, str] | None:
         """(mesh, axis) when the rules shard `experts` over a mesh axis that divides them."""

@@ -89,3 +89,13 @@ def test_check_shapes_accepts_kept_quantized_leaves_and_names_extras():
     stored[wq] = ((n, 7, 3), "float8_e4m3fn")
     with pytest.raises(ValueError, match="not in the config layers/0/attn/extra"):
         checkpoint.check_shapes(cfg, stored | {"layers/0/attn/extra": ((1,), "float32")})
+
+
+def test_malformed_checksums_are_one_clear_error(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    meta = json.loads((d / checkpoint.CONFIG_FILE).read_text())
+    meta["files"] = {"../jaxmodels.json": [1, 2]}
+    (d / checkpoint.CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="checksums in jaxmodels.json are malformed"):
+        jm.load(d)
+    jm.load(d, verify=False)  # the escape: the files themselves are fine

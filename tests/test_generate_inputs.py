@@ -177,3 +177,12 @@ def test_default_max_len_is_capped_at_the_context(tiny, calls):
     assert calls[-1]["max_len"] == 40
     with pytest.raises(ValueError, match="max_position_embeddings=40"):
         jm.generate(short, [[1, 2, 3, 4, 5]], max_new_tokens=36)
+
+
+def test_stop_lists_share_one_compilation(tiny):
+    """The stop table is bucketed: no stops, one, two, and a three-token stop run the same program."""
+    jm.generate(tiny, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    before = G._generate._cache_size()
+    for stop in ([[5]], [[5, 6]], [[5], [7]], [[9, 9, 9]]):
+        jm.generate(tiny, PROMPTS, max_new_tokens=NEW, ignore_eos=True, stop=stop)
+    assert G._generate._cache_size() == before

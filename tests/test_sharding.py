@@ -82,6 +82,9 @@ def test_a_users_own_mesh_works(name, axis_type, tmp_path):
     orbax_io.save(tmp_path / "m", base.config, jax.tree.map(np.asarray, base.params))
     m = jm.load(tmp_path / "m", mesh=mesh, rules=rules)
     assert np.abs(np.asarray(jm.forward(m, _ids())) - want).max() <= 1e-5
+    with jax.set_mesh(mesh):  # the user's mesh as JAX's context mesh, as Explicit meshes are meant to be used
+        assert np.abs(np.asarray(jm.forward(m, _ids())) - want).max() <= 1e-5
+        assert jm.generate(m, [[1, 2, 3], [4, 5]], max_new_tokens=4, ignore_eos=True).tokens == tokens
 
 
 def test_indivisible_dims_stay_replicated():
