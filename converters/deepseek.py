@@ -15,7 +15,7 @@ import logging
 import numpy as np
 
 from converters import deepseek_quant as dq
-from converters.hf import Quantized, import_params, normalize
+from converters.hf import Quantized, import_params, nonfinite, normalize
 from converters.safetensors_io import CheckpointError
 from jaxmodels.families import deepseek_v4 as fam
 from jaxmodels.plan import flatten, mtp_param_specs
@@ -57,14 +57,26 @@ class QuantReader:
         w = self.reader.get(name)
         if name not in self._scale:
             return w
-        s, canon = self.reader.get(self._scale[name]), canonical(name)
+        try:
+            return self._decode(name, w, self.reader.get(self._scale[name]))
+        except TypeError as e:  # a weight or scale of a dtype that is not FP8 / FP4 / E8M0 bytes
+            raise CheckpointError(str(e)) from None
+
+    def _decode(self, name, w, s):
+        canon = canonical(name)
         engram = canon.endswith(".engram.embed.weight")
         if self.keep and not canon.endswith(".wo_a.weight"):
             packed = self._packed(name)
             raw = dq.packed_fp4_bytes(w, name) if packed else dq.e4m3_array(w, name).view(np.uint8)
+            scale = dq.e8m0_bytes(s, name)
+            # placed as bytes, never through check_values: refuse their NaN codes here (FP4 has none)
+            if bad := 0 if packed else nonfinite(raw.view(dq.E4M3)):
+                raise CheckpointError(f"{name}: {bad} non-finite values (NaN/Inf)")
+            if bad := nonfinite(scale.view(dq.E8M0)):
+                raise CheckpointError(f"{self._scale[name]}: {bad} NaN scales (E8M0 byte 0xff)")
             if engram:  # gathered by row, then expanded: table bytes + E8M0 bytes beside them
-                return Quantized({"": raw, "_scale": dq.e8m0_bytes(s, name)})
-            return Quantized({"/fp4" if packed else "/fp8": raw, "/scale": dq.e8m0_bytes(s, name)})
+                return Quantized({"": raw, "_scale": scale})
+            return Quantized({"/fp4" if packed else "/fp8": raw, "/scale": scale})
         if self._packed(name):
             return dq.dequant_fp4_experts(w, s, name=name)
         if engram:

@@ -146,11 +146,62 @@ def _transform(t):
     return TRANSFORMS[t] if isinstance(t, str) else t
 
 
+def _floating(dt) -> bool:
+    dt = np.dtype(dt)
+    return np.issubdtype(dt, np.floating) or (dt.type.__module__ == "ml_dtypes" and "float" in dt.name)
+
+
+def _nan_bits(t) -> int:
+    fi = ml_dtypes.finfo(t)
+    return ((1 << fi.nexp) - 1) << fi.nmant  # IEEE: exponent all ones = inf or NaN
+
+
+# dtype -> bits that are all set exactly in its NaN/Inf codes (e4m3fn: S.1111.111 is NaN; e8m0: 0xff is NaN)
+NAN_BITS = {**{np.dtype(t): _nan_bits(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64,
+                                                   ml_dtypes.float8_e5m2)},
+            np.dtype(ml_dtypes.float8_e4m3fn): 0x7F, np.dtype(ml_dtypes.float8_e8m0fnu): 0xFF}
+
+
+def nonfinite(a: np.ndarray, chunk: int = 1 << 20) -> int:
+    """How many NaN/Inf values `a` holds: one pass in chunks (bounded memory), by their bits where NAN_BITS knows
+    the dtype."""
+    flat = a.reshape(-1)
+    if (mask := NAN_BITS.get(flat.dtype)) is not None:
+        flat = flat.view(f"u{flat.dtype.itemsize}")
+    n = 0
+    for i in range(0, flat.size, chunk):
+        c = flat[i:i + chunk]
+        n += np.count_nonzero((c & mask) == mask) if mask is not None else c.size - np.count_nonzero(np.isfinite(c))
+    return n
+
+
+def check_values(name: str, src: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`out`, checkpoint tensor `name` (`src` as read) transformed and cast, or CheckpointError naming the tensor:
+    a source that is not floating-point for a float parameter (not integer for an integer one), NaN/Inf values,
+    values past the range of out's dtype (float32 1e6 -> float16 inf)."""
+    src = np.asarray(src)
+    if not _floating(out.dtype):
+        if not np.issubdtype(src.dtype, np.integer):
+            raise CheckpointError(f"{name} is {src.dtype}, expected an integer tensor")
+        info = np.iinfo(out.dtype)
+        if src.size and (src.min() < info.min or src.max() > info.max):
+            raise CheckpointError(f"{name} overflows {out.dtype} (values {src.min()} .. {src.max()})")
+        return out
+    if not _floating(src.dtype):
+        raise CheckpointError(f"{name} is {src.dtype}, expected a floating-point tensor")
+    if nonfinite(out):
+        if bad := nonfinite(src):
+            raise CheckpointError(f"{name}: {bad} non-finite values (NaN/Inf)")
+        big = max(abs(float(src.max())), abs(float(src.min())))
+        raise CheckpointError(f"{name} overflows {out.dtype} (max |x| = {big:g})")
+    return out
+
+
 def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", progress: bool = True,
                   skip: tuple[str, ...] = (), **plan_kw) -> dict:
     """Host (NumPy) parameters: every tensor read once (memory-mapped), transformed, placed in its stack.
-    Each parameter takes `dtype` unless its ParamSpec keeps fp32 or int32; Quantized values stay bytes.
-    plan_kw: as plan_import."""
+    Each parameter takes `dtype` unless its ParamSpec keeps fp32 or int32; Quantized values stay bytes. Every
+    converted tensor is checked (`check_values`): finite, representable, of a fitting kind. plan_kw: as plan_import."""
     target = np_dtype(dtype)
     specs = plan_kw.setdefault("specs", flatten(param_specs(cfg)))
     out: dict[str, np.ndarray] = {}
@@ -166,7 +217,9 @@ def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32",
             parts = value.items()
         else:
             dt = np.dtype(specs[pm.path].dtype or target)
-            parts = [("", np.asarray(_transform(pm.transform)[1](value, pm.want)).astype(dt))]
+            with np.errstate(over="ignore"):  # an overflow is check_values' error, not a warning
+                v = np.asarray(_transform(pm.transform)[1](value, pm.want)).astype(dt)
+            parts = [("", check_values(pm.name, value, v))]
         for suffix, v in parts:
             path = pm.path + suffix
             if pm.index:
@@ -201,7 +254,9 @@ def import_sharded(reader, cfg: ModelConfig, names: dict, shardings: dict, dtype
             if not all(s.start <= i < s.stop for s, i in zip(lead, pm.index)):
                 continue
             at = tuple(i - s.start for s, i in zip(lead, pm.index))
-            out[at] = read_slice(reader, pm, idx[len(pm.index):])
+            with np.errstate(over="ignore"):
+                out[at] = src = read_slice(reader, pm, idx[len(pm.index):])
+            check_values(pm.name, src, out[at])
         return out
 
     flat = {path: jax.make_array_from_callback(s.shape, flat_shardings[path], lambda idx, p=path: fill(p, idx))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +29,25 @@ MLA_SELECT = ("none", "all", "indexer", "reuse")
 INDEX_KEYS = ("none", "compressor", "latent", "shared")
 MLA_VARIANTS = ("v4", "v4.1")
 NUMERICS = ("plain", "reference")
+
+
+class ConfigError(ValueError):
+    """A config number out of range: `field` (a ModelConfig or spec field, e.g. "norm_eps", "theta"), its `value`
+    and what it must be; `where` says which part holds it ("layer 3: ")."""
+
+    def __init__(self, field: str, value, want: str, where: str = ""):
+        super().__init__(f"{where}{field} must be {want}, got {value!r}")
+        self.field, self.value, self.want, self.where = field, value, want, where
+
+
+def _size(field: str, value, where: str = "", least: int = 1) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+        raise ConfigError(field, value, "a positive integer" if least == 1 else f"an integer >= {least}", where)
+
+
+def _positive(field: str, value, where: str = "") -> None:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(field, value, "a positive finite number", where)
 
 
 def _one_of(owner: str, name: str, value, allowed) -> None:
@@ -152,8 +173,11 @@ class MLPSpec:
         _one_of("MLPSpec", "activation", self.activation, ACTIVATIONS)
         _one_of("MLPSpec", "router", self.router, ROUTERS)
         _one_of("MLPSpec", "score_func", self.score_func, SCORE_FUNCS)
-        if self.kind == "moe" and not 0 < self.top_k <= self.num_experts:
-            raise ValueError(f"moe needs 0 < top_k <= num_experts, got {self.top_k} of {self.num_experts}")
+        if self.kind == "moe":
+            _size("num_experts", self.num_experts)
+            _size("top_k", self.top_k)
+            if self.top_k > self.num_experts:
+                raise ConfigError("top_k", self.top_k, f"at most num_experts={self.num_experts}")
 
 
 @dataclass(frozen=True)
@@ -244,10 +268,7 @@ class ModelConfig:
     mtp: MTPSpec | None = None
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        validate(self)
         _one_of("ModelConfig", "numerics", self.numerics, NUMERICS)
         _one_of("ModelConfig", "norm", self.norm, NORM_KINDS)
         if len({L.mhc for L in self.layers}) > 1:
@@ -277,6 +298,74 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
         return cls.from_dict(json.loads(text))
+
+
+def validate(cfg: ModelConfig) -> None:
+    """Every number of a config in range, or ConfigError naming the field and the value (ModelConfig runs it on
+    construction): sizes positive integers, eps / theta / factors / scales / caps positive and finite."""
+    for f in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        _size(f, getattr(cfg, f))
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError("num_kv_heads", cfg.num_kv_heads, f"a divisor of the {cfg.num_heads} attention heads")
+    if cfg.head_dim % 2:
+        raise ConfigError("head_dim", cfg.head_dim, "even (RoPE rotates pairs)")
+    _size("num_layers", cfg.num_layers)
+    _positive("norm_eps", cfg.norm_eps)
+    for f in ("embed_scale", "logit_scale", "final_softcap"):
+        if getattr(cfg, f) is not None:
+            _positive(f, getattr(cfg, f))
+    layers: dict[LayerSpec, str] = {}  # each distinct spec once, named by its first layer
+    for i, L in enumerate(cfg.layers):
+        layers.setdefault(L, f"layer {i}: ")
+    if cfg.mtp is not None:
+        _size("layers", cfg.mtp.layers, "mtp: ")
+        layers.setdefault(cfg.mtp.layer, "mtp: ")
+    for L, where in layers.items():
+        _validate_layer(L, cfg.head_dim, where)
+    if cfg.mhc is not None:
+        _size("copies", cfg.mhc.copies, "mhc: ")
+        _size("sinkhorn_iters", cfg.mhc.sinkhorn_iters, "mhc: ")
+        _positive("eps", cfg.mhc.eps, "mhc: ")
+    if cfg.engram is not None:
+        for f in ("max_ngram", "vocab_size", "n_heads", "head_dim"):
+            _size(f, getattr(cfg.engram, f), "engram: ")
+        for r in cfg.engram.rows:
+            _size("rows", r, "engram: ")
+
+
+def _validate_layer(L: LayerSpec, head_dim: int, where: str) -> None:
+    a, m = L.attention, L.mlp
+    if a.window is not None:
+        _size("window", a.window, where)
+    for f in ("scale", "softcap"):
+        if getattr(a, f) is not None:
+            _positive(f, getattr(a, f), where)
+    if (r := a.rope) is not None:
+        _positive("theta", r.theta, where)
+        _positive("factor", r.factor, where)
+        if r.kind in ("llama3", "yarn") or r.original_max_position is not None:
+            _size("original_max_position", r.original_max_position, where)
+        if r.kind == "llama3":
+            _positive("low_freq_factor", r.low_freq_factor, where)
+            _positive("high_freq_factor", r.high_freq_factor, where)
+        if r.kind == "yarn":
+            for f in ("beta_fast", "beta_slow", "attention_factor"):
+                if getattr(r, f) is not None:
+                    _positive(f, getattr(r, f), where)
+    if (mla := a.mla) is not None:
+        for f in ("q_lora_rank", "o_groups", "o_lora_rank", "rope_dim"):
+            _size(f, getattr(mla, f), where)
+        if mla.rope_dim > head_dim or mla.rope_dim % 2:
+            raise ConfigError("rope_dim", mla.rope_dim, f"even and at most head_dim={head_dim}", where)
+        if mla.select == "indexer":
+            for f in ("index_heads", "index_head_dim", "index_topk"):
+                _size(f, getattr(mla, f), where)
+    _size("intermediate_size", m.intermediate_size, where)
+    _size("shared_intermediate_size", m.shared_intermediate_size, where, least=0)
+    if m.activation in ("swiglu_clamp", "silu_limit"):
+        _positive("clamp_limit", m.clamp_limit, where)
+    if m.kind == "moe":
+        _positive("route_scale", m.route_scale, where)
 
 
 LEGACY_KEYS = {"residual"}  # written by format version 1 (derived now)

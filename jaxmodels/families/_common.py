@@ -15,10 +15,11 @@ def activation(name: str) -> str:
 
 
 def heads(hf: dict) -> tuple[int, int, int]:
-    """(num_heads, num_kv_heads, head_dim); head_dim falls back to hidden / heads."""
+    """(num_heads, num_kv_heads, head_dim); kv heads fall back to heads, head_dim to hidden / heads, when absent
+    (ModelConfig refuses what is out of range)."""
     H = hf["num_attention_heads"]
-    K = hf.get("num_key_value_heads") or H
-    d = hf.get("head_dim") or hf["hidden_size"] // H
+    K = H if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"]
+    d = hf.get("head_dim") or (hf["hidden_size"] // H if H else 0)
     return H, K, d
 
 

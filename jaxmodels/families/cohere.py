@@ -7,11 +7,11 @@ NAMES = {k: v for k, v in c.LLAMA_NAMES.items() if "post_attention_layernorm" no
 
 
 def _config(hf: dict, family: str, attn: list[AttentionSpec]) -> ModelConfig:
-    H, K, _ = c.heads(hf)
+    H, K, d = c.heads({**hf, "head_dim": None})  # always hidden / heads
     mlp = MLPSpec(activation=c.activation(hf.get("hidden_act", "silu")), intermediate_size=hf["intermediate_size"])
     return ModelConfig(
         family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_heads=H, num_kv_heads=K,
-        head_dim=hf["hidden_size"] // H,
+        head_dim=d,
         layers=tuple(LayerSpec(attention=a, mlp=mlp, block="parallel", norm="layernorm") for a in attn),
         norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-5), tie_embeddings=hf.get("tie_word_embeddings", True),
         logit_scale=hf.get("logit_scale", 0.0625), max_position_embeddings=hf.get("max_position_embeddings", 8192),

@@ -95,6 +95,9 @@ def _yarn(t: dict, theta: float) -> RopeSpec:
 def _ratios_v4(t: dict, n: int) -> list[int]:
     if t.get("layer_types"):
         rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **(t.get("compress_rates") or {})}
+        unknown = sorted(set(t["layer_types"][:n]) - {"sliding_attention", *rates})
+        if unknown:
+            raise ValueError(f"unknown layer_types {unknown}; known: sliding_attention, {', '.join(rates)}")
         return [0 if x == "sliding_attention" else int(rates[x]) for x in t["layer_types"][:n]]
     if t.get("compress_ratios") is not None:
         return [int(r) for r in t["compress_ratios"][:n]]

@@ -53,8 +53,8 @@ def config(hf: dict, causal_lm: bool = True) -> ModelConfig:
         layers.append(LayerSpec(attention=attn, mlp=mlp, block="sandwich", norm="gemma"))
     return ModelConfig(
         family="gemma3", vocab_size=hf["vocab_size"], hidden_size=D, num_heads=H, num_kv_heads=K, head_dim=d,
-        layers=tuple(layers), norm="gemma", norm_eps=hf.get("rms_norm_eps", 1e-6), embed_scale=math.sqrt(D),
-        tie_embeddings=hf.get("tie_word_embeddings", True),
+        layers=tuple(layers), norm="gemma", norm_eps=hf.get("rms_norm_eps", 1e-6),
+        embed_scale=math.sqrt(max(D, 0)), tie_embeddings=hf.get("tie_word_embeddings", True),  # D <= 0: refused
         final_softcap=hf.get("final_logit_softcapping") if causal_lm else None,
         max_position_embeddings=max_pos, **c.token_ids(hf, bos=2, eos=(1,), pad=0),
     )
