@@ -95,15 +95,12 @@ def test_sharded_import_checks_each_slice(src):
 @pytest.fixture(scope="module")
 def v41(tmp_path_factory):
     """DeepSeek V4.1's tiny checkpoint in its own layout (FP8 e4m3 + E8M0 scales, packed FP4 experts) as tensors."""
-    from tokenizers import Tokenizer, models
-
     path = tmp_path_factory.mktemp("v41") / "ckpt"
     path.mkdir()
     hf = ck.tiny_config("v4.1", quantized=True)
     ck.write_checkpoint(str(path), hf, seed=0)
     V = hf["text_config"]["vocab_size"]
-    vocab = {(f"w{i // 2}" if i % 2 == 0 else f" W{i // 2}"): i for i in range(V)}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
+    ck.write_word_tokenizer(path, V)
     from converters import deepseek_quant as dq
 
     header, _ = dq.read_safetensors_header(path / "model.safetensors")

@@ -34,6 +34,15 @@ def stub_token_map(vocab: int) -> np.ndarray:
     return np.arange(vocab, dtype=np.int64) // 2
 
 
+def write_word_tokenizer(dir, vocab: int) -> None:
+    """tokenizer.json of `vocab` words, "w{i}" and " W{i}" alternating: the pairs Engram's compressed map
+    (`stub_token_map`) folds into one id."""
+    from tokenizers import Tokenizer, models
+
+    words = {(f"w{i // 2}" if i % 2 == 0 else f" W{i // 2}"): i for i in range(vocab)}
+    Tokenizer(models.WordLevel(words, unk_token="w0")).save(os.path.join(str(dir), "tokenizer.json"))
+
+
 def tiny_config(version: str = "v4.1", quantized: bool = True, **overrides) -> dict:
     """HF-style config.json dict for §1.4's TINY V4.1 model. `overrides` replace `text_config` keys
     (HF names); `engram_num_embeddings` is re-derived from the prime layout unless overridden."""

@@ -54,15 +54,12 @@ class DictReader:
 
 @pytest.fixture(scope="module")
 def v41(tmp_path_factory):
-    from tokenizers import Tokenizer, models
-
     path = tmp_path_factory.mktemp("v41mtp") / "ckpt"
     path.mkdir()
     hf = ck.tiny_config("v4.1", quantized=True, num_nextn_predict_layers=2, compress_ratios=[0, 2, 2, 1, 1, 1, 0, 0])
     ck.write_checkpoint(str(path), hf, seed=1)
     V = hf["text_config"]["vocab_size"]
-    vocab = {(f"w{i // 2}" if i % 2 == 0 else f" W{i // 2}"): i for i in range(V)}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
+    ck.write_word_tokenizer(path, V)
     cfg, params, _ = converters.read_source(path, progress=False)  # loads mtp.* by default
     _, skipped, _ = converters.read_source(path, progress=False, skip_mtp=True)
     assert "mtp" not in skipped

@@ -87,15 +87,12 @@ def v4(tmp_path_factory):
 def v41(tmp_path_factory):
     """The spec's tiny V4.1 written in DeepSeek's own layout with real FP8/FP4 encodings + a tokenizer whose
     normalised pieces give the stub token map (id 2k = 'w{k}', 2k+1 = ' W{k}': class k)."""
-    from tokenizers import Tokenizer, models
-
     path = tmp_path_factory.mktemp("v41") / "ckpt"
     path.mkdir()
     hf = ck.tiny_config("v4.1", quantized=True)
     ck.write_checkpoint(str(path), hf, seed=0)
     V = hf["text_config"]["vocab_size"]
-    vocab = {(f"w{i // 2}" if i % 2 == 0 else f" W{i // 2}"): i for i in range(V)}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
+    ck.write_word_tokenizer(path, V)
     cfg, params, _ = converters.read_source(path, progress=False)
     return path, cfg, jax.tree.map(jnp.asarray, params), ck.stub_token_map(V)
 
