@@ -76,7 +76,7 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
     return Model(cfg, params, tok, mesh, rules)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
+@functools.partial(jax.jit, static_argnums=(1, 3), compiler_options=_model.COMPILER_OPTIONS)
 def _forward(params, cfg, tokens, shard):
     return _model.forward(params, cfg, tokens, shard=shard)
 

@@ -49,7 +49,8 @@ def _stopped(tail, stops):
     return jnp.any(jnp.all(hit, axis=-1), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard"),
+                   compiler_options=M.COMPILER_OPTIONS)
 def _generate(params, tokens, lengths, key, eos, stops=None, *, cfg, max_new, sampling, max_len, unroll=1,
               shard=None):
     B = tokens.shape[0]
@@ -93,8 +94,8 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
         ends on device once its last tokens are a stop's ids. EOS tokens stop unless `ignore_eos`.
     max_len: cache length (default: prompt + max_new_tokens, rounded up to a power of two), at most the
         model's max_position_embeddings.
-    unroll: unroll of the decode loop over layers. True reads each layer's weights in place and
-        decodes ~2x faster on GPU (BENCHMARKS.md), at a compile time that grows with depth.
+    unroll: `lax.scan`'s unroll of the decode loop over layers (1: scanned, compile time independent of depth;
+        unrolling no longer buys speed on GPU, see `model.COMPILER_OPTIONS`).
 
     Token ids must be ints in [0, vocab_size); bad ids, stops and sampling arguments raise ValueError.
     """
