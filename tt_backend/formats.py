@@ -26,13 +26,27 @@ Host rules found by probing the wheel (see tools/ttnn_oracle/README.md for the p
   Decoding rebuilds an FP32 bit pattern: value = q * 2**(E - 127 - (w - 1)); a result below the
   smallest normal FP32 number decodes to +0, and with E = 255 a q with its top bit set decodes to
   inf/NaN (exponent 255, the remaining magnitude bits as mantissa).
-* ``from_torch`` input dtypes: float32, int32, uint32, uint16 (and uint8) convert directly (ints via
-  float32); float64, float16, int64, int16, int8 and bool are first converted to bfloat16 (via
-  float32, RNE) and then packed, so bfloat8_b/bfloat4_b of a float64 array is *not* the same as of
-  the same array cast to float32.
+* ``from_torch`` input dtypes (``roundtrip`` / ``encode_tiles`` take any of them; golden cases
+  in_*, bf16in_*, f16in_*):
+  - float32, int32, uint32, uint16, uint8: held natively, converted straight to the target (ints
+    via float32, RNE) with the float32 rules above.
+  - bfloat16 (``ml_dtypes.bfloat16`` arrays, which is what JAX bf16 arrays are in NumPy; the
+    wheel's ``torch.bfloat16``): held as they are. Target bfloat16 is the identity (NaN payloads and
+    signs kept, unlike float32 input), float32 the exact widening, bfp the float32 rule applied to
+    the widened values (no second rounding; a NaN payload survives as far as bfp's bits allow).
+  - float16: widened to float32 (exact), then ttnn's float32 -> bfloat16 rule (RNE, NaN ->
+    +0x7FC00000) for the bfloat16 and bfp targets; to float32 through torch (NaN quirks below).
+  - float64, int64, int16, int8, bool: to bfloat16 through torch (via float32, so a float64 is
+    rounded twice; NaN quirks below), then packed, so bfloat8_b/bfloat4_b of a float64 array is
+    *not* the same as of the same array cast to float32; to float32 by a direct cast.
+  - torch's NaN quirks (they depend on the flat position): float -> bfloat16 writes NaN as 0xFFFF
+    except in the last ``n % 16`` elements (0x7FC0); float16 -> float32 quiets a NaN except in the
+    last ``n % 8`` elements (0x7FFFFFFF). Modelled for one torch thread (any size up to 32768).
 * Padding: the last two dims are padded up to multiples of 32 (0-D and 1-D tensors become one row),
-  with ``pad_value`` (default 0). A non-zero pad value shares blocks with real values and so changes
-  their shared exponent.
+  with ``pad_value`` (default 0) in the host dtype: rounded to bfloat16 for a bfloat16 host tensor
+  (bf16, f16, f64, ... inputs; and for the bfloat16 target), float32 otherwise. A non-zero pad
+  value shares blocks with real values and so changes their shared exponent. (Integer inputs pad
+  with the value cast to their integer type: not modelled.)
 
 Not here (yet): jax.numpy versions of these functions (NumPy only), matmul fidelity masks (the
 emulator's business), bfloat2_b (the packers accept ``bits=1`` but nothing about it is verified).
@@ -307,28 +321,118 @@ def quantize(x, dtype: str, mode: str = "host", pad_value: float = 0.0, double_r
     return unpad(q, x.shape)
 
 
-def roundtrip(x: np.ndarray, dtype: str, pad_value: float | None = None) -> np.ndarray:
+def roundtrip(x, dtype: str, pad_value: float | None = None) -> np.ndarray:
     """Exactly ``ttnn.to_torch(ttnn.from_torch(torch.from_numpy(x), dtype=dtype,
     layout=ttnn.TILE_LAYOUT, pad_value=pad_value))`` of ttnn 0.81.1, as a float32 ndarray.
 
-    ``dtype`` is "bfloat16", "bfloat8_b" or "bfloat4_b"; any shape. float32 input is converted
-    directly; any other input dtype goes through bfloat16 first, as ttnn does (see module doc).
+    ``dtype`` is "float32", "bfloat16", "bfloat8_b" or "bfloat4_b"; any shape. ``x`` is a NumPy or
+    JAX array of any real dtype, bfloat16 (ml_dtypes, as ``np.asarray`` of a JAX array gives it)
+    included; a bfloat16 array stands for the same ``torch.bfloat16`` tensor. Each input dtype takes
+    the wheel's own path to the target (module doc, "Input dtypes").
     """
-    _check_dtype(dtype, ("bfloat16", "bfloat8_b", "bfloat4_b"))
-    x = np.asarray(x)
-    if x.dtype.kind not in "fiub":
-        raise FormatError(f"roundtrip needs a real numeric array, got dtype {x.dtype}")
-    if x.dtype.name in _NATIVE_HOST_DTYPES:
-        x = x.astype(np.float32)  # int -> float32 rounds to nearest even, as C++ static_cast does
-    else:
-        x = bf16_round(x.astype(np.float32))
-    return quantize(x, dtype, "host", 0.0 if pad_value is None else pad_value)
+    _check_dtype(dtype)
+    v, pad = _host_tensor(x, dtype, 0.0 if pad_value is None else pad_value)
+    if dtype in ("float32", "bfloat16"):
+        return v  # padding is cut off again by to_torch
+    return unpad(bfp_quantize_host(pad_to_tile(v, pad), BFP_BITS[dtype]), v.shape)
 
+
+# ---------------------------------------------------------------------------------------------
+# Input dtypes: what ttnn holds on the host before it converts to the target dtype
+# ---------------------------------------------------------------------------------------------
 
 # numpy dtypes that ttnn holds natively on the host (FLOAT32, INT32, UINT32, UINT16, UINT8): they
 # convert straight to the target; every other input dtype goes through bfloat16 first. Found by
 # probing the wheel (golden cases in_*); uint8 is indistinguishable either way (exact in bf16).
 _NATIVE_HOST_DTYPES = ("float32", "int32", "uint32", "uint16", "uint8")
+# The other dtypes except float16 (float64, int64, int16, int8, bool) reach bfloat16 through torch's
+# ``Tensor.to(torch.bfloat16)``; float16 through ttnn's own float -> bf16 rule, but to float32
+# through torch's ``Tensor.to(torch.float32)``. torch's CPU copy kernel (2.14.1, AVX2 build) works
+# in vector steps over the flat array and converts the last ``n % step`` elements one by one, and
+# the two codes write NaN differently (golden cases in_float64_nan_tail, f16in_nan_tail):
+#   float -> bfloat16, step 16: vector NaN -> 0xFFFF, scalar NaN -> 0x7FC0;
+#   float16 -> float32, step 8: vector (hardware) NaN -> quiet, sign and payload kept; scalar -> 0x7FFFFFFF.
+# Above 32768 elements torch splits the loop over its threads, each part with its own scalar tail;
+# that split depends on the converting process's thread count and is not modelled.
+_TORCH_BF16_STEP = 16
+_TORCH_F16_STEP = 8
+
+
+def _torch_tail(shape, step: int) -> np.ndarray:
+    """Mask of the elements that torch's copy kernel converts one by one (the flat array's tail)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    return (np.arange(n) >= n - n % step).reshape(shape)
+
+
+def _is_bf16(x: np.ndarray) -> bool:
+    return x.dtype.name == "bfloat16" and x.dtype.itemsize == 2  # ml_dtypes.bfloat16 (JAX)
+
+
+def _host_input(x) -> np.ndarray:
+    x = np.asarray(x)
+    if not _is_bf16(x) and (x.dtype.kind not in "fiub" or x.dtype.name == "float128"):
+        raise FormatError(f"TT host conversion needs a real numeric array (bfloat16 included), got dtype {x.dtype}")
+    # C order, as torch.from_numpy of a contiguous array: torch's NaN rule depends on flat positions.
+    return np.require(x, requirements="C")
+
+
+def _bf16_to_f32(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns widened to float32: exact, NaN payloads and signs kept."""
+    u = x.view(np.uint16).astype(np.uint32)
+    u <<= np.uint32(16)  # in place: a 0-d array stays an array
+    return u.view(np.float32)
+
+
+def _f16_to_f32(x: np.ndarray) -> np.ndarray:
+    """``torch.from_numpy(x).to(torch.float32)`` of a float16 array: exact except for NaNs."""
+    v = x.astype(np.float32)  # exact; NumPy keeps a NaN's bits as they are
+    u = v.view(np.uint32)
+    nan = np.isnan(v)
+    u = np.where(nan, u | np.uint32(0x00400000), u)  # vector steps: the NaN comes back quiet
+    u = np.where(nan & _torch_tail(x.shape, _TORCH_F16_STEP), np.uint32(0x7FFFFFFF), u)
+    return u.view(np.float32)
+
+
+def _torch_to_bf16(x: np.ndarray) -> np.ndarray:
+    """``torch.from_numpy(x).to(torch.bfloat16)`` on the CPU, as float32 values."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = bf16_round(x.astype(np.float32))  # via float32 (double rounding), RNE, overflow -> inf
+    if x.dtype.kind != "f":
+        return r  # integers and bool: no NaN, nothing depends on the position
+    vector_nan = np.isnan(x) & ~_torch_tail(x.shape, _TORCH_BF16_STEP)
+    return np.where(vector_nan, np.uint32(0xFFFF0000).view(np.float32), r)  # the tail keeps 0x7FC0
+
+
+def _host_tensor(x, dtype: str, pad_value) -> tuple[np.ndarray, np.float32]:
+    """What ttnn converts to ``dtype`` in ``from_torch(x, dtype, TILE_LAYOUT, pad_value)``.
+
+    Returns float32 ``(values, pad)``: for "float32" / "bfloat16" the final values, for bfp the
+    values the packer reads. Padding happens in the host dtype: a bfloat16 host tensor (bf16, f16,
+    f64, ... inputs) is padded with ``pad_value`` rounded to bfloat16, a float32 one with the float32
+    value; which matters to bfp, where the pads share exponents (golden cases pad_*).
+    """
+    x = _host_input(x)
+    pad = np.float32(pad_value)
+    name = x.dtype.name
+    if _is_bf16(x):
+        v, on_bf16 = _bf16_to_f32(x), True  # bf16 -> bf16 is the identity, NaN payloads included
+    elif dtype == "float32":
+        # Straight to float32 (f16 and f64 too, not via bf16); pads in float32.
+        if name == "float16":
+            return _f16_to_f32(x), pad
+        with np.errstate(over="ignore", invalid="ignore"):
+            return x.astype(np.float32), pad
+    elif name == "float16":
+        v, on_bf16 = bf16_round(x.astype(np.float32)), True  # ttnn's float -> bf16 rule: NaN -> 0x7FC0
+    elif name in _NATIVE_HOST_DTYPES:
+        v, on_bf16 = x.astype(np.float32), False  # int -> float32 rounds to nearest even (static_cast)
+    else:
+        v, on_bf16 = _torch_to_bf16(x), True  # float64, int64, int16, int8, bool
+    if on_bf16 or dtype == "bfloat16":
+        pad = bf16_round(pad)[()]
+    if dtype == "bfloat16" and not on_bf16:
+        v = bf16_round(v)
+    return v, pad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,20 +444,20 @@ def encode_tiles(x, dtype: str, pad_value: float = 0.0) -> np.ndarray:
 
     Per tile: bfloat16/float32 datums in face order, little-endian. BFP: 64 shared-exponent bytes
     (faces 0..3, rows 0..15 each), then the sign-magnitude codes in face order, one byte per datum
-    (bfp8) or two per byte, low nibble first (bfp4). ``x`` is float32 (host conversion from float32).
+    (bfp8) or two per byte, low nibble first (bfp4). ``x`` takes the same input path as in
+    ``roundtrip`` (any real dtype, bfloat16 included); the pads are in the image too.
     """
     _check_dtype(dtype)
-    x = _f32(x)
+    v, pad = _host_tensor(x, dtype, pad_value)
     if dtype == "float32":
-        t = tilize(x, pad_value)
+        t = tilize(v, pad)
         return t.view(np.uint8).reshape(*t.shape[:-1], TILE_BYTES[dtype])
     if dtype == "bfloat16":
-        t = tilize(bf16_round(x), pad_value)
+        t = tilize(v, pad)
         hi = (t.view(np.uint32) >> 16).astype("<u2")
         return hi.view(np.uint8).reshape(*t.shape[:-1], TILE_BYTES[dtype])
     w = BFP_BITS[dtype]
-    xp = pad_to_tile(x, pad_value)
-    ex, codes = bfp_pack_host(xp, w)
+    ex, codes = bfp_pack_host(pad_to_tile(v, pad), w)
     ct = tilize(codes)  # [..., T, 1024] in face order
     # Exponents: one per 16-datum face row, so the tilized codes' 16-groups line up with them.
     et = tilize(np.repeat(ex, BLOCK, axis=-1))[..., ::BLOCK]  # [..., T, 64]

@@ -2,13 +2,15 @@
 properties that hold independently of the implementation, plus an optional live-oracle test.
 
 Expected values come from the wheel (tests/tt/golden/formats_golden.npz, written by
-tools/ttnn_oracle/gen_golden.py) or from independent formulas written out in the tests.
+tools/ttnn_oracle/gen_golden.py; float32, bfloat16, float16, float64 and integer inputs) or from
+independent formulas written out in the tests.
 """
 import json
 import os
 import subprocess
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -34,6 +36,21 @@ def _cases(g, prefix):
     return sorted(k for k in g.files if k.startswith(prefix))
 
 
+def _input(g, case):
+    """A golden case's input as the wheel got it: bf16 inputs are stored as uint16 bit patterns."""
+    x = g["x:" + case]
+    return x.view(ml_dtypes.bfloat16) if "xdtype:" + case in g.files else x
+
+
+def _pad(g, case):
+    return float(g["pad:" + case]) if "pad:" + case in g.files else None
+
+
+def _flat_tail(shape, step):
+    n = int(np.prod(shape))
+    return np.arange(n) >= n - n % step
+
+
 # ---------------------------------------------------------------------------------------------
 # Golden data from the wheel
 # ---------------------------------------------------------------------------------------------
@@ -44,18 +61,27 @@ def test_golden_file_records_its_source(golden):
     # Enough coverage that a wrong rounding rule cannot slip through: distributions, shapes, dtypes.
     cases = {k.split(":")[1] for k in _cases(golden, "y:")}
     for must in ("bf16_ties", "bfp8_ties", "bfp4_ties", "saturation", "subnormals", "nonfinite",
-                 "near_min_normal", "random_bits", "shape_scalar", "shape_2x2x40x35", "in_float64", "pad_1000"):
+                 "near_min_normal", "random_bits", "shape_scalar", "shape_2x2x40x35", "in_float64", "pad_1000",
+                 "bf16in_random_bits", "bf16in_nonfinite_positions", "bf16in_subnormal_bits",
+                 "bf16in_exponent_extremes",
+                 "bf16in_bfp8_ties", "f16in_random_bits", "f16in_bf16_ties", "f16in_nonfinite_positions",
+                 "f16in_nan_tail", "in_float64_nan_tail", "pad_bf16_0.99999994", "pad_f16_0.99999994"):
         assert must in cases
+    # every target for bf16 and f16 inputs, and enough of them
+    targets = {(_input(golden, c).dtype.name, k.split(":")[2]) for k in _cases(golden, "y:") for c in [k.split(":")[1]]}
+    for src in ("bfloat16", "float16", "float32", "float64"):
+        for d in ("float32",) + ALL:
+            assert (src, d) in targets, (src, d)
+    assert sum(k.split(":")[1].startswith("bf16in_") for k in _cases(golden, "y:")) >= 40
 
 
 def test_roundtrip_bit_exact_against_ttnn(golden):
     bad = []
     for key in _cases(golden, "y:"):
         _, case, dtype = key.split(":")
-        x = golden["x:" + case]
-        pv = float(golden["pad:" + case]) if "pad:" + case in golden.files else None
+        x = _input(golden, case)
         want = golden[key]
-        got = F.roundtrip(x, dtype, pad_value=pv)
+        got = F.roundtrip(x, dtype, pad_value=_pad(golden, case))
         assert got.dtype == np.float32 and got.shape == want.shape == x.shape, key
         n = int((bits(got) != bits(want)).sum())
         if n:
@@ -65,12 +91,13 @@ def test_roundtrip_bit_exact_against_ttnn(golden):
 
 def test_tile_bytes_bit_exact_against_ttnn(golden):
     keys = _cases(golden, "b:")
-    assert len(keys) >= 12
+    assert len(keys) >= 40
     for key in keys:
         _, case, dtype = key.split(":")
-        x = golden["x:" + case]
+        x = _input(golden, case)
         want = golden[key]
-        got = F.encode_tiles(x, dtype)
+        pv = _pad(golden, case)
+        got = F.encode_tiles(x, dtype, pad_value=0.0 if pv is None else pv)
         assert got.reshape(-1).shape == want.shape, key
         assert np.array_equal(got.reshape(-1), want), key
         # decoding ttnn's own bytes gives ttnn's own round trip
@@ -93,6 +120,80 @@ def test_golden_shows_the_documented_rules(golden):
     xs, ys = golden["x:saturation"], golden["y:saturation:bfloat8_b"]
     big = np.abs(xs[:, ::16]) >= 1.9921875 * (1 + 2**-9)
     assert big.any() and np.all(np.abs(ys[:, ::16])[big] == 127 / 64)
+
+
+def test_golden_shows_the_input_dtype_rules(golden):
+    """bf16 / f16 / f64 input rules, read straight off the wheel's output (no formats code)."""
+    widen = lambda u16: u16.astype(np.uint32) << 16  # noqa: E731
+    # bf16 input: to bfloat16 the identity and to float32 the widening, NaN payloads and signs kept
+    for case in ("bf16in_random_bits", "bf16in_nonfinite_positions", "bf16in_subnormal_bits"):
+        u = golden["x:" + case]
+        assert np.any((u & 0x7FFF) > 0x7F80) or case == "bf16in_subnormal_bits"
+        for d in ("bfloat16", "float32"):
+            assert np.array_equal(bits(golden[f"y:{case}:{d}"]), widen(u)), (case, d)
+    # float16 input: to bfloat16 every NaN is +0x7FC00000 (ttnn's rule, not torch's)
+    for case in ("f16in_random_bits", "f16in_nonfinite_positions", "f16in_nan_tail"):
+        x, y = golden["x:" + case], golden[f"y:{case}:bfloat16"]
+        assert np.isnan(x).any() and np.all(bits(y)[np.isnan(x)] == 0x7FC00000)
+    # float16 -> float32 through torch: quiet NaN in vector steps of 8, 0x7FFFFFFF in the scalar tail
+    x, y = golden["x:f16in_nan_tail"], bits(golden["y:f16in_nan_tail:float32"])
+    tail, nan = _flat_tail(x.shape, 8).reshape(x.shape), np.isnan(x)
+    assert (nan & tail).any() and np.all(y[nan & tail] == 0x7FFFFFFF)
+    h = x.view(np.uint16).astype(np.uint32)
+    quiet = ((h & 0x8000) << 16) | 0x7FC00000 | ((h & 0x1FF) << 13)
+    assert np.array_equal(y[nan & ~tail], quiet[nan & ~tail])
+    # float64 -> bfloat16 through torch: NaN -> 0xFFFF in vector steps of 16, 0x7FC0 in the tail
+    x, y = golden["x:in_float64_nan_tail"], bits(golden["y:in_float64_nan_tail:bfloat16"])
+    tail, nan = _flat_tail(x.shape, 16).reshape(x.shape), np.isnan(x)
+    assert (nan & tail).any() and np.all(y[nan & tail] == 0x7FC00000) and np.all(y[nan & ~tail] == 0xFFFF0000)
+
+
+@pytest.mark.parametrize("case", ["pad_bf16_0.99999994", "pad_bf16_f32max", "pad_f16_0.99999994",
+                                  "pad_f64_0.99999994", "pad_f64_f32max"])
+def test_pad_is_rounded_to_bf16_for_bf16_held_tensors(golden, case):
+    """The golden data tells the two pad rules apart: the same bf16 values held as float32 (so padded
+    with the float32 value) would give other bfp results (0.99999994 -> 1.0 lifts the exponent)."""
+    x, pv = _input(golden, case), _pad(golden, case)
+    held = F.roundtrip(x, "bfloat16")  # the bf16 values the wheel holds, as a float32 array
+    differs = [not np.array_equal(bits(F.roundtrip(held, d, pad_value=pv)), bits(golden[f"y:{case}:{d}"])) for d in BFP]
+    assert any(differs)
+
+
+@pytest.mark.parametrize("dtype", BFP)
+def test_bf16_input_packs_like_its_float32_widening(golden, dtype):
+    """The wheel's bf16 -> bfp is the (verified) float32 rule on the widened values: no second
+    rounding, NaN payloads go in as they are (every bf16 golden case, no padding)."""
+    n = 0
+    for key in _cases(golden, "y:bf16in_"):
+        _, case, d = key.split(":")
+        if d != dtype:
+            continue
+        wide = _input(golden, case).astype(np.float32)  # ml_dtypes widens exactly, payloads kept
+        assert np.array_equal(bits(F.roundtrip(wide, dtype)), bits(golden[key])), key
+        n += 1
+    assert n >= 20
+
+
+def test_bf16_and_f16_inputs_exhaustive_properties():
+    """Every bf16 / f16 bit pattern (no golden needed): bf16 -> bfloat16 is the identity; f16 ->
+    bfloat16 is the float32 rule on the exact widening."""
+    u = np.arange(2**16, dtype=np.uint32).astype(np.uint16).reshape(64, 1024)
+    x = u.view(ml_dtypes.bfloat16)
+    assert np.array_equal(bits(F.roundtrip(x, "bfloat16")), u.astype(np.uint32) << 16)
+    assert np.array_equal(bits(F.roundtrip(x, "float32")), u.astype(np.uint32) << 16)
+    h = u.view(np.float16)
+    assert np.array_equal(bits(F.roundtrip(h, "bfloat16")), bits(F.bf16_round(h.astype(np.float32))))
+
+
+def test_jax_arrays_take_the_same_path():
+    jnp = pytest.importorskip("jax.numpy")
+    rng = np.random.default_rng(3)
+    u = rng.integers(0, 2**16, (40, 50)).astype(np.uint16)
+    x = u.view(ml_dtypes.bfloat16)
+    for d in ("float32",) + ALL:
+        assert np.array_equal(bits(F.roundtrip(jnp.asarray(x), d)), bits(F.roundtrip(x, d))), d
+    h = rng.standard_normal((40, 50)).astype(np.float16)
+    assert np.array_equal(bits(F.roundtrip(jnp.asarray(h), "bfloat8_b")), bits(F.roundtrip(h, "bfloat8_b")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,6 +362,10 @@ def test_errors_are_clear():
         F.quantize(np.zeros(3, np.float32), "bfloat16", mode="chip")
     with pytest.raises(F.FormatError, match="real numeric"):
         F.roundtrip(np.array(["a"]), "bfloat16")
+    with pytest.raises(F.FormatError, match="real numeric"):
+        F.roundtrip(np.zeros(3, np.complex64), "bfloat16")
+    with pytest.raises(F.FormatError, match="real numeric.*float8_e4m3fn"):
+        F.roundtrip(np.zeros(3, ml_dtypes.float8_e4m3fn), "bfloat8_b")
     with pytest.raises(F.FormatError, match="do not hold"):
         F.decode_tiles(np.zeros(100, np.uint8), (32, 32), "bfloat8_b")
 
@@ -280,7 +385,10 @@ def test_live_oracle_fresh_random_inputs(tmp_path):
         "x:mixed": (rng.standard_normal((3, 37, 50)) * np.exp(rng.uniform(-15, 15, (3, 37, 50)))).astype(np.float32),
         "x:bits": rng.integers(0, 2**32, (40, 48), dtype=np.uint64).astype(np.uint32).view(np.float32),
         "x:f64": rng.standard_normal((33, 20)),
+        "x:f16bits": rng.integers(0, 2**16, (5, 37, 19)).astype(np.uint16).view(np.float16),  # NaN in the tail
+        "bf16:bf16bits": rng.integers(0, 2**16, (2, 45, 70)).astype(np.uint16),  # bit patterns of a bf16 input
     }
+    inputs["x:f64"][rng.random((33, 20)) < 0.1] = np.nan  # 660 = 41 * 16 + 4: NaN in torch's tail too
     src, dst = tmp_path / "in.npz", tmp_path / "out.npz"
     np.savez(src, **inputs)
     r = subprocess.run([ORACLE_PY, str(ORACLE), str(src), str(dst)], capture_output=True, text=True, timeout=120)
@@ -289,8 +397,9 @@ def test_live_oracle_fresh_random_inputs(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = np.load(dst)
     for name, x in inputs.items():
-        for d in ALL:
-            key = f"{name[2:]}:{d}"
+        kind, _, case = name.partition(":")
+        x = x.view(ml_dtypes.bfloat16) if kind == "bf16" else x
+        for d in ("float32",) + ALL:
+            key = f"{case}:{d}"
             assert np.array_equal(bits(F.roundtrip(x, d)), bits(out[key])), key
-            if x.dtype == np.float32:
-                assert np.array_equal(F.encode_tiles(x, d).reshape(-1), out[key + ":bytes"]), key
+            assert np.array_equal(F.encode_tiles(x, d).reshape(-1), out[key + ":bytes"]), key

@@ -2,8 +2,12 @@
 (never in the project venv: ttnn needs numpy<2). No Tenstorrent hardware needed: a mock Wormhole
 N150 cluster descriptor makes ttnn's host-side tensor conversion work; no device op is ever called.
 
-Library use:  ``from oracle import roundtrip, tile_bytes``  (after ``sys.path`` points here).
-CLI use:      ``python oracle.py IN.npz OUT.npz``; IN holds arrays ``x:<case>`` plus optional
+Library use:  ``from oracle import roundtrip, tile_bytes, bf16``  (after ``sys.path`` points here).
+              Inputs are NumPy arrays or torch tensors; ``bf16(bits)`` makes a ``torch.bfloat16``
+              tensor from uint16 bit patterns (NumPy has no bfloat16, and going through torch's
+              float32 -> bf16 cast would rewrite NaNs).
+CLI use:      ``python oracle.py IN.npz OUT.npz``; IN holds arrays ``x:<case>`` (any NumPy dtype)
+              and ``bf16:<case>`` (uint16 bit patterns of a bfloat16 input), plus optional
               ``dtypes`` (list of names); OUT gets ``<case>:<dtype>`` = float32 round trip and
               ``<case>:<dtype>:bytes`` = uint8 tile byte image. Used by tests/tt/test_formats.py.
 """
@@ -27,10 +31,16 @@ def versions():
     return {"ttnn": version("ttnn"), "torch": torch.__version__, "numpy": np.__version__}
 
 
+def bf16(bits):
+    """A torch.bfloat16 tensor holding exactly the uint16 bit patterns ``bits``."""
+    bits = np.require(np.asarray(bits, dtype=np.uint16), requirements="C")
+    return torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+
+
 def _from(x, dtype, pad_value=None):
-    x = np.require(x, requirements="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
-    return ttnn.from_torch(torch.from_numpy(x), dtype=DTYPES[dtype],
-                           layout=ttnn.TILE_LAYOUT, pad_value=pad_value)
+    if not isinstance(x, torch.Tensor):
+        x = torch.from_numpy(np.require(x, requirements="C"))  # (ascontiguousarray would make 0-d 1-d)
+    return ttnn.from_torch(x.contiguous(), dtype=DTYPES[dtype], layout=ttnn.TILE_LAYOUT, pad_value=pad_value)
 
 
 def roundtrip(x, dtype, pad_value=None):
@@ -48,16 +58,16 @@ def tile_bytes(x, dtype, pad_value=None):
 def main(argv):
     src, dst = argv
     inp = np.load(src, allow_pickle=False)
-    dtypes = [str(d) for d in inp["dtypes"]] if "dtypes" in inp else ["bfloat16", "bfloat8_b", "bfloat4_b"]
+    dtypes = [str(d) for d in inp["dtypes"]] if "dtypes" in inp else list(DTYPES)
     out = {}
     for key in inp.files:
-        if not key.startswith("x:"):
+        kind, _, case = key.partition(":")
+        if kind not in ("x", "bf16"):
             continue
-        case = key[2:]
+        x = bf16(inp[key]) if kind == "bf16" else inp[key]
         for d in dtypes:
-            out[f"{case}:{d}"] = roundtrip(inp[key], d)
-            if inp[key].dtype == np.float32:
-                out[f"{case}:{d}:bytes"] = tile_bytes(inp[key], d)
+            out[f"{case}:{d}"] = roundtrip(x, d)
+            out[f"{case}:{d}:bytes"] = tile_bytes(x, d)
     np.savez(dst, **out)
 
 
