@@ -206,17 +206,17 @@ def _engram(cfg: ModelConfig, params, tokens, cache, mode, lengths):
 
 
 def hidden(params, cfg: ModelConfig, tokens, positions, mode: str, cache=None, lengths=None, unroll=1,
-           shard=None, collect: bool = False):
+           shard=None, collect: bool = False, start=None):
     """Embeddings -> every layer -> the final hidden state [B, T, D] before the final norm, the updated cache, and
     (collect) what DeepSeek's MTP heads read: {"mains": the DSpark target layers' stream means [B, T, K*D] or None,
     "stream": the final mHC streams [B, T, n, D]}. mode: full (no cache) | prefill (from position 0, right-padded
-    rows of `lengths`) | decode (one token per row)."""
+    rows of `lengths`) | extend (rows continue after `start` cached positions) | decode (one token per row)."""
     pl = plan(cfg)
     x = params["embed"][tokens]
     if cfg.embed_scale is not None:  # rounded to the weight dtype, as HF
         x = x * jnp.asarray(cfg.embed_scale, params["embed"].dtype)
     x = _constrain(shard, x, ("batch", None, None))
-    ctx = {"positions": positions, "mode": mode, "lengths": lengths, "unroll": unroll, "shard": shard,
+    ctx = {"positions": positions, "mode": mode, "lengths": lengths, "start": start, "unroll": unroll, "shard": shard,
            "tokens": tokens, "rope": _rope_tables(cfg, positions, x.dtype),
            "act_block": cfg.quant_block if cfg.numerics == "reference" else None}
     carry = {"x": x, "state": {}, "cache": cache}
@@ -287,6 +287,20 @@ def prefill(params, cfg: ModelConfig, tokens, lengths, cache, shard=None):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x, cache, _ = hidden(params, cfg, tokens, positions, "prefill", cache, lengths, shard=shard)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
+    return head(params, cfg, last, shard)[:, 0], cache
+
+
+def extend(params, cfg: ModelConfig, tokens, start, lengths, cache, shard=None):
+    """Continue cached sequences by a chunk (chunked prefill; a prompt whose prefix is already cached): row b's
+    first lengths[b] tokens of the right-padded chunk [B, T] take positions start[b] .. start[b]+lengths[b]-1 after
+    the start[b] positions its cache holds -> (logits of each row's last chunk token [B, vocab], cache). Rows
+    with lengths[b] = 0 keep their cache (their logits mean nothing). GQA families (DeepSeek: not yet)."""
+    if any(s.attention.kind != "gqa" for s in cfg.layers) or cfg.mhc is not None or cfg.engram is not None:
+        raise NotImplementedError(f"{cfg.family}: extend() supports grouped-query attention families only")
+    start, lengths = jnp.asarray(start, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    x, cache, _ = hidden(params, cfg, tokens, positions, "extend", cache, lengths, shard=shard, start=start)
+    last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     return head(params, cfg, last, shard)[:, 0], cache
 
 

@@ -71,9 +71,10 @@ def causal(q, k, v, *, scale: float, window: int | None = None):
 def gqa(cfg, a, p, h, ctx, cache):
     """One layer's grouped-query attention: h [B, T, D] (normed) -> [B, T, D].
 
-    ctx: positions [B, T], mode (full | prefill | decode), lengths (prefill), rope tables. cache: this layer's
-    `jaxmodels.cache.LayerCache` with slot caches "k" and "v" (None in full mode). Prefill attends within the
-    chunk and writes it; decode writes its token, then attends every slot of the (ring) cache.
+    ctx: positions [B, T], mode (full | prefill | extend | decode), lengths (prefill, extend), start (extend), rope
+    tables. cache: this layer's `jaxmodels.cache.LayerCache` with slot caches "k" and "v" (None in full mode).
+    Prefill attends within the chunk and writes it; extend attends the cache and the chunk, then writes it;
+    decode writes its token, then attends every slot of the (ring) cache.
     """
     q, k, v = (jnp.tensordot(h, p[n], axes=1) for n in ("wq", "wk", "wv"))
     if a.qkv_bias:
@@ -95,6 +96,18 @@ def gqa(cfg, a, p, h, ctx, cache):
         allowed = mask(pos, k_pos, a.window, k_valid=k_pos >= 0)
         o = attend(q, cache.read("k").astype(q.dtype), cache.read("v").astype(q.dtype), allowed, scale=scale,
                    softcap=a.softcap, sinks=p.get("sinks"))
+    elif ctx["mode"] == "extend":  # a chunk after the start[b] positions the cache holds
+        start, lengths = ctx["start"], ctx["lengths"]
+        # the cache as it was (a ring may drop keys of this chunk's first queries when the chunk is written) + the chunk
+        c_pos = cache.positions("k", start - 1)
+        keys = jnp.concatenate([cache.read("k").astype(q.dtype), k], axis=2)
+        values = jnp.concatenate([cache.read("v").astype(q.dtype), v], axis=2)
+        k_pos = jnp.concatenate([c_pos, pos], axis=1)
+        k_valid = jnp.concatenate([c_pos >= 0, jnp.arange(pos.shape[1]) < lengths[:, None]], axis=1)
+        o = attend(q, keys, values, mask(pos, k_pos, a.window, k_valid=k_valid), scale=scale, softcap=a.softcap,
+                   sinks=p.get("sinks"))
+        cache.write("k", k, lengths, start)
+        cache.write("v", v, lengths, start)
     else:
         if ctx["mode"] == "prefill":
             cache.write("k", k, ctx["lengths"])
