@@ -1,19 +1,23 @@
-"""Checkpoint import: HF safetensors / PyTorch directories and GGUF files -> the jaxmodels format."""
+"""Checkpoint import: HF safetensors / PyTorch directories and GGUF files -> the jaxmodels format; export back to
+Hugging Face (converters/hf_export.py)."""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from converters.hf import import_params, import_sharded
+from tqdm.auto import tqdm
+
+from converters.hf import assemble, import_sharded, stream
 from converters.quant import MXFP4Reader
 from converters.safetensors_io import INDEX, CheckpointError, SafetensorsReader, TorchReader
 from jaxmodels import families, files
+from jaxmodels.checkpoint import FORMAT_VERSION
 from jaxmodels.config import ModelConfig
 from jaxmodels.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["convert", "read_source", "read_source_sharded", "open_source", "CheckpointError"]
+__all__ = ["convert", "export", "read_source", "read_source_sharded", "open_source", "CheckpointError"]
 
 
 def open_source(src: str | Path):
@@ -40,30 +44,39 @@ def _plan_kw(fam) -> dict:
     return {"derived": fam.derived} | ({} if fam.renames is None else {"renames": fam.renames})
 
 
+def source_items(cfg, reader, fam, tok, dtype: str = "float32", keep_quantized: bool = False,
+                 skip_mtp: bool = False):
+    """items(done, bar) -> the converted placements of an opened source as `hf.stream` items, leaving out the
+    keys in `done`. keep_quantized, skip_mtp: see `read_source`."""
+    if keep_quantized and not fam.quantized:
+        raise ValueError(f"keep_quantized applies to DeepSeek V4's FP8/FP4 checkpoints, not to {cfg.family}")
+    if not fam.quantized:
+        return lambda done=frozenset(), bar=None: stream(reader, cfg, families.name_map(fam, cfg), dtype, fam.skip,
+                                                         done=done, bar=bar, **_plan_kw(fam))
+    from converters import deepseek
+
+    return lambda done=frozenset(), bar=None: deepseek.items(reader, cfg, tok, dtype, keep_quantized, skip_mtp,
+                                                             done, bar)
+
+
+def _bar(progress: bool, desc: str, leave: bool):
+    """Progress in bytes of the source read, with the rate (e.g. `convert: 1.34G/1.34G [00:02, 650MB/s]`)."""
+    return tqdm(desc=desc, total=0, unit="B", unit_scale=True, unit_divisor=1000, disable=not progress, leave=leave)
+
+
 def read_source(src: str | Path, dtype: str = "float32", progress: bool = True, keep_quantized: bool = False,
                 skip_mtp: bool = False) -> tuple[ModelConfig, dict, Tokenizer | None]:
-    """Import a checkpoint into host memory: (config, numpy params, tokenizer or None).
+    """Import a checkpoint into host memory: (config, numpy params, tokenizer or None), reading one tensor at a
+    time: host memory peaks at the params plus about two tensors.
 
     DeepSeek V4: keep_quantized keeps FP8/FP4 weights quantized in the params (expanded inside the matmul);
     the MTP / DSpark weights (`mtp.*`) are loaded under params["mtp"] when the checkpoint has them, unless
     skip_mtp.
     """
     cfg, reader, fam, tok = open_source(src)
-    if keep_quantized and not fam.quantized:
-        raise ValueError(f"keep_quantized applies to DeepSeek V4's FP8/FP4 checkpoints, not to {cfg.family}")
-    if not fam.quantized:
-        return cfg, import_params(reader, cfg, families.name_map(fam, cfg), dtype, progress, fam.skip,
-                                  **_plan_kw(fam)), tok
-    from converters import deepseek
-
-    token_map = deepseek.engram_map(tok, cfg) if cfg.engram is not None and tok is not None else None
-    params = deepseek.import_backbone(reader, cfg, dtype, progress, token_map, keep_quantized)
-    if deepseek.has_mtp_tensors(reader):
-        if skip_mtp:
-            log.info("left out the MTP / DSpark weights (skip_mtp)")
-        else:
-            params |= deepseek.import_mtp(reader, cfg, dtype, keep_quantized)
-    return cfg, params, tok
+    items = source_items(cfg, reader, fam, tok, dtype, keep_quantized, skip_mtp)
+    with _bar(progress, "import", leave=False) as bar:
+        return cfg, assemble(items(bar=bar)), tok
 
 
 def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32"):
@@ -81,16 +94,68 @@ def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32
 
 def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite: bool = False,
             progress: bool = True, keep_quantized: bool = False, skip_mtp: bool = False) -> Path:
-    """Convert a checkpoint into `dst` (orbax params + config + tokenizer). Returns `dst`.
+    """Convert a checkpoint into `dst` (params, config, tokenizer). Returns `dst`.
 
-    Nothing is left at `dst` if anything fails. overwrite replaces an earlier converted model (or an empty
-    directory), nothing else; the destination is checked before any import work. keep_quantized, skip_mtp: see
-    `read_source`.
+    Streaming: each tensor is read, converted and written into its place in the output before the next is read,
+    so host memory stays at about two tensors whatever the model's size. Nothing is left at `dst` if anything
+    fails. An interrupted conversion (Ctrl-C, a kill) resumes when run again with the same source, dst and
+    options: the slices it had written are verified by their CRC32 and kept. overwrite replaces an earlier
+    converted model (or an empty directory), nothing else; the destination is checked before any import work.
+    keep_quantized, skip_mtp: see `read_source`.
     """
     from converters import orbax_io
 
     orbax_io.check_destination(dst, src, overwrite)
-    cfg, params, tok = read_source(src, dtype, progress, keep_quantized, skip_mtp)
-    out = orbax_io.save(dst, cfg, params, tok, overwrite=overwrite, src=src)
+    cfg, reader, fam, tok = open_source(src)
+    items = source_items(cfg, reader, fam, tok, dtype, keep_quantized, skip_mtp)
+    job = {"format_version": FORMAT_VERSION, "src": str(Path(src).resolve()), "files": _fingerprint(Path(src)),
+           "dtype": dtype, "keep_quantized": keep_quantized, "skip_mtp": skip_mtp}
+    with _bar(progress, "convert", leave=True) as bar:
+        out = orbax_io.write(dst, cfg, lambda done: items(done, bar), tok, overwrite=overwrite, src=src, job=job)
     log.info("converted %s -> %s", src, out)
+    return out
+
+
+def _fingerprint(src: Path) -> dict[str, list[int]]:
+    """{file: [size, mtime_ns]} of the source's files: a resumed conversion must read the same checkpoint."""
+    paths = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
+    return {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in paths}
+
+
+def export(src, hf_dir: str | Path, dtype: str | None = None, overwrite: bool = False,
+           max_shard_size: int | str = "5GB", progress: bool = True) -> Path:
+    """Write a model back to a Hugging Face directory that `transformers.AutoModelForCausalLM.from_pretrained` loads:
+    `model.safetensors` (above max_shard_size: shards + `model.safetensors.index.json`; bytes or "5GB"-style),
+    config.json, generation_config.json and the tokenizer files. Returns `hf_dir`.
+
+    src: a `jm.Model`, a converted directory, or a source checkpoint (anything `jm.load` reads; read in float32
+    unless dtype). dtype: cast the floating parameters (those the plan keeps fp32 stay); None keeps the model's.
+    The tensors are the exact inverse of the import (a lossless import exports its source bit for bit); GPT-OSS
+    experts imported from MXFP4 are written dequantized, in HF's unquantized layout. As convert: everything is
+    checked before any work, nothing is left at hf_dir if anything fails, and overwrite replaces only an earlier
+    export (or an empty directory). DeepSeek V4 is not exported yet (NotImplementedError).
+    """
+    from converters import hf_export
+    from converters.hf import np_dtype
+    from jaxmodels import checkpoint
+
+    path = None if hasattr(src, "config") and hasattr(src, "params") else Path(src)
+    if dtype is not None:
+        np_dtype(dtype)
+    hf_export.shard_bytes(max_shard_size)
+    hf_export.check_destination(hf_dir, path, overwrite)
+    generation = None
+    if path is None:
+        cfg, params, tok = src.config, src.params, src.tokenizer
+    elif checkpoint.is_converted(path):
+        cfg = checkpoint.load_config(path)
+        hf_export.plan_export(cfg)  # an unsupported family fails before the restore
+        params, tok = checkpoint.load_params(path, cfg), Tokenizer.from_dir(path)
+    else:
+        hf_export.plan_export(open_source(path)[0])
+        cfg, params, tok = read_source(path, dtype or "float32", progress)
+        if path.is_dir() and (gen := files.find(path, "generation_config.json")) is not None:
+            generation = files.read_json(gen, files.MAX_METADATA_BYTES)  # the source's sampling defaults
+    out = hf_export.write(hf_dir, cfg, params, tok, dtype, overwrite, path, max_shard_size, generation, progress)
+    log.info("exported %s -> %s", "the model" if path is None else src, out)
     return out

@@ -15,7 +15,7 @@ import logging
 import numpy as np
 
 from converters import deepseek_quant as dq
-from converters.hf import Quantized, import_params, nonfinite, normalize
+from converters.hf import Part, Quantized, assemble, nonfinite, normalize, source_bytes, stream
 from converters.safetensors_io import CheckpointError
 from jaxmodels.families import deepseek_v4 as fam
 from jaxmodels.plan import flatten, mtp_param_specs
@@ -87,6 +87,10 @@ class QuantReader:
     def get_slice(self, name, index):
         return self.get(name)[index]
 
+    def nbytes(self, name):
+        return source_bytes(self.reader, name) + (source_bytes(self.reader, self._scale[name]) if name in self._scale
+                                                  else 0)
+
 
 def _block(w, s, name) -> int:
     """The square block size implied by a weight and its scale grid (32 in V4.1, 128 in V4)."""
@@ -96,17 +100,22 @@ def _block(w, s, name) -> int:
     raise CheckpointError(f"{name}: scale grid {tuple(s.shape)} does not tile a weight of shape {tuple(w.shape)}")
 
 
+def backbone(reader, cfg, dtype: str = "float32", token_map=None, keep_quantized: bool = False, done=frozenset(),
+             bar=None):
+    """`hf.stream` items of the backbone; Engram's token map (built from the tokenizer) goes in as `engram_map`."""
+    if cfg.engram is not None and token_map is None:
+        raise CheckpointError("this model uses Engram, which needs the tokenizer (tokenizer.json) to build its "
+                              "compressed-vocabulary map; none was found")
+    yield from stream(QuantReader(reader, keep_quantized), cfg, fam.NAMES, dtype, fam.SKIP, done=done, bar=bar,
+                      renames=fam.RENAMES, derived=fam.DERIVED)
+    if cfg.engram is not None and ("engram_map", ()) not in done:
+        yield ("engram_map", ()), [Part("engram_map", (), (), np.asarray(token_map, np.int32))]
+
+
 def import_backbone(reader, cfg, dtype: str = "float32", progress: bool = True, token_map=None,
                     keep_quantized: bool = False) -> dict:
-    """Host params of the backbone; Engram's token map (built from the tokenizer) goes in as `engram_map`."""
-    params = import_params(QuantReader(reader, keep_quantized), cfg, fam.NAMES, dtype, progress, fam.SKIP,
-                           renames=fam.RENAMES, derived=fam.DERIVED)
-    if cfg.engram is not None:
-        if token_map is None:
-            raise CheckpointError("this model uses Engram, which needs the tokenizer (tokenizer.json) to build its "
-                                  "compressed-vocabulary map; none was found")
-        params["engram_map"] = np.asarray(token_map, np.int32)
-    return params
+    """Host params of the backbone (see `backbone`)."""
+    return assemble(backbone(reader, cfg, dtype, token_map, keep_quantized))
 
 
 class _Only:
@@ -126,20 +135,37 @@ def has_mtp_tensors(reader) -> bool:
     return any(canonical(k).startswith("mtp.") for k in reader.keys())
 
 
-def import_mtp(reader, cfg, dtype: str = "float32", keep_quantized: bool = False) -> dict:
-    """Host params {"mtp": {...}} of the `mtp.*` tensors (DeepSeek or HF spelling), {} when the config has no MTP
-    and the checkpoint none either; the blocks' embed/head copies are the backbone's (left out)."""
+def mtp_items(reader, cfg, dtype: str = "float32", keep_quantized: bool = False, done=frozenset(), bar=None):
+    """`hf.stream` items of the `mtp.*` tensors (DeepSeek or HF spelling), none when the config has no MTP and the
+    checkpoint none either; the blocks' embed/head copies are the backbone's (left out)."""
     specs = flatten(mtp_param_specs(cfg))
     mtp = _Only(reader, "mtp.")
     if mtp.keys() and not specs:
         raise CheckpointError(f"the checkpoint has {len(mtp.keys())} mtp.* tensors (e.g. {mtp.keys()[0]!r}) "
                               f"but this {cfg.family} config has no MTP layers"
                               + (" (DSpark needs dspark_block_size > 0)" if cfg.family == fam.V41 else ""))
-    if not specs:
-        return {}
-    return import_params(QuantReader(mtp, keep_quantized), cfg, fam.MTP_NAMES, dtype, False, fam.MTP_SKIP,
-                         renames=fam.RENAMES, specs=specs, layer=lambda i: (f"mtp/{i}/", ()), what="MTP ",
-                         hint=" (load without MTP to skip them)")
+    if specs:
+        yield from stream(QuantReader(mtp, keep_quantized), cfg, fam.MTP_NAMES, dtype, fam.MTP_SKIP, done=done,
+                          bar=bar, renames=fam.RENAMES, specs=specs, layer=lambda i: (f"mtp/{i}/", ()), what="MTP ",
+                          hint=" (load without MTP to skip them)")
+
+
+def import_mtp(reader, cfg, dtype: str = "float32", keep_quantized: bool = False) -> dict:
+    """Host params {"mtp": {...}} of the `mtp.*` tensors ({} when there are none; see `mtp_items`)."""
+    return assemble(mtp_items(reader, cfg, dtype, keep_quantized))
+
+
+def items(reader, cfg, tok, dtype: str = "float32", keep_quantized: bool = False, skip_mtp: bool = False,
+          done=frozenset(), bar=None):
+    """All `hf.stream` items of a DeepSeek V4 checkpoint: backbone, Engram map, MTP / DSpark blocks (unless
+    skip_mtp)."""
+    token_map = engram_map(tok, cfg) if cfg.engram is not None and tok is not None else None
+    yield from backbone(reader, cfg, dtype, token_map, keep_quantized, done, bar)
+    if has_mtp_tensors(reader):
+        if skip_mtp:
+            log.info("left out the MTP / DSpark weights (skip_mtp)")
+        else:
+            yield from mtp_items(reader, cfg, dtype, keep_quantized, done, bar)
 
 
 def engram_map(tok, cfg) -> np.ndarray:

@@ -284,6 +284,9 @@ class GGUFReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(reversed(self._tensors[name].dims))  # GGUF lists dims innermost first
 
+    def nbytes(self, name: str) -> int:
+        return self._tensors[name].data.nbytes
+
     def get(self, name: str) -> np.ndarray:
         t = self._tensors[name]
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))

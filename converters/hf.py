@@ -12,7 +12,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from converters.safetensors_io import CheckpointError
-from converters.transforms import TRANSFORMS
+from converters.transforms import TRANSFORMS, transpose
 from jaxmodels.config import ModelConfig
 from jaxmodels.families import _common
 from jaxmodels.plan import flatten, param_specs, plan, unflatten
@@ -197,38 +197,88 @@ def check_values(name: str, src: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", progress: bool = True,
-                  skip: tuple[str, ...] = (), **plan_kw) -> dict:
-    """Host (NumPy) parameters: every tensor read once (memory-mapped), transformed, placed in its stack.
-    Each parameter takes `dtype` unless its ParamSpec keeps fp32 or int32; Quantized values stay bytes. Every
-    converted tensor is checked (`check_values`): finite, representable, of a fitting kind. plan_kw: as plan_import."""
+@dataclass(frozen=True)
+class Part:
+    """A converted value for one slot of one leaf: leaf[index] = value, where the leaf stacks `lead` slots
+    (index and lead () for an unstacked leaf). What `stream` yields and the converted-model writer takes."""
+
+    leaf: str
+    lead: tuple[int, ...]
+    index: tuple[int, ...]
+    value: np.ndarray
+
+
+def source_bytes(reader, name: str) -> int:
+    """Bytes of checkpoint tensor `name` as stored (for progress), 0 where the reader cannot tell."""
+    return reader.nbytes(name) if hasattr(reader, "nbytes") else 0
+
+
+def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: tuple[str, ...] = (), *,
+           done=frozenset(), bar=None, **plan_kw):
+    """Every checkpoint tensor read once (in turn: at most one held), transformed and cast: an iterator of
+    (key, [Part]), key = (param path, index) per placement. Each parameter takes `dtype` unless its ParamSpec
+    keeps fp32 or int32; Quantized values stay bytes (a Part per suffix). Every converted tensor is checked
+    (`check_values`): finite, representable, of a fitting kind. Placements whose key is in `done` are left out
+    and their tensors not read. bar: a tqdm advanced by the bytes read. plan_kw: as plan_import (checked before
+    the first item)."""
     target = np_dtype(dtype)
     specs = plan_kw.setdefault("specs", flatten(param_specs(cfg)))
-    out: dict[str, np.ndarray] = {}
+    todo = [pm for pm in plan_import(reader, cfg, names, skip, **plan_kw) if (pm.path, pm.index) not in done]
+    if bar is not None:
+        bar.total = (bar.total or 0) + sum(source_bytes(reader, n) for n in dict.fromkeys(pm.name for pm in todo))
+        bar.refresh()
     cached: tuple[str, object] | None = None  # one tensor may feed several parameters in a row
-    for pm in tqdm(plan_import(reader, cfg, names, skip, **plan_kw), desc="import", unit="tensor",
-                   disable=not progress, leave=False):
+    for pm in todo:
         if cached is None or cached[0] != pm.name:
+            cached = None  # the previous tensor is freed before the next is read
             cached = (pm.name, reader.get(pm.name))
-        value = cached[1]
-        if isinstance(value, Quantized):  # kept in the checkpoint's [out, in] layout: only nn.Linear-style weights
-            if pm.transform not in ("T", "copy"):
-                raise CheckpointError(f"{pm.name}: a weight kept quantized cannot take the {pm.transform!r} transform")
-            parts = value.items()
+            if bar is not None:
+                bar.update(source_bytes(reader, pm.name))
+        lead = specs[pm.path].shape[:len(pm.index)]
+        yield (pm.path, pm.index), [Part(pm.path + suffix, lead, pm.index, v)
+                                    for suffix, v in _convert(pm, cached[1], np.dtype(specs[pm.path].dtype or target))]
+
+
+def _convert(pm: Placement, value, dt) -> list[tuple[str, np.ndarray]]:
+    """[(path suffix, value)] of one placement: the tensor transformed and cast, or a Quantized weight's bytes."""
+    if isinstance(value, Quantized):  # kept in the checkpoint's [out, in] layout: only nn.Linear-style weights
+        if pm.transform not in ("T", "copy"):
+            raise CheckpointError(f"{pm.name}: a weight kept quantized cannot take the {pm.transform!r} transform")
+        return list(value.items())
+    with np.errstate(over="ignore"):  # an overflow is check_values' error, not a warning
+        if pm.transform in ("T", "T_out"):  # cast while transposing: no copy in the source dtype
+            v = transpose(np.asarray(value), dt).reshape(pm.want)
         else:
-            dt = np.dtype(specs[pm.path].dtype or target)
-            with np.errstate(over="ignore"):  # an overflow is check_values' error, not a warning
-                v = np.asarray(_transform(pm.transform)[1](value, pm.want)).astype(dt)
-            parts = [("", check_values(pm.name, value, v))]
-        for suffix, v in parts:
-            path = pm.path + suffix
-            if pm.index:
-                if path not in out:
-                    out[path] = np.zeros(specs[pm.path].shape[:len(pm.index)] + v.shape, v.dtype)
-                out[path][pm.index] = v
+            v = np.asarray(_transform(pm.transform)[1](value, pm.want)).astype(dt, copy=False)
+            if not v.flags.writeable:  # a view of the source (GGUF's read-only file map): own it
+                v = v.copy()
+    return [("", check_values(pm.name, value, v))]
+
+
+def assemble(items) -> dict:
+    """The parameter tree of `stream`'s items, each stacked leaf allocated once (page-aligned, so that jax can
+    adopt it without a copy) and filled slot by slot."""
+    from jaxmodels.checkpoint import aligned_empty
+
+    out: dict[str, np.ndarray] = {}
+    for _, parts in items:
+        for p in parts:
+            if p.index:
+                if p.leaf not in out:
+                    out[p.leaf] = aligned_empty(p.lead + p.value.shape, p.value.dtype)
+                out[p.leaf][p.index] = p.value
             else:
-                out[path] = v
+                out[p.leaf] = p.value
+        del parts
     return unflatten(out)
+
+
+def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", progress: bool = True,
+                  skip: tuple[str, ...] = (), **plan_kw) -> dict:
+    """Host (NumPy) parameters: `stream`'s items assembled in memory. plan_kw: as plan_import."""
+    with tqdm(desc="import", unit="B", unit_scale=True, unit_divisor=1000, disable=not progress,
+              leave=False) as bar:
+        return assemble(stream(reader, cfg, names, dtype, skip, bar=bar, **plan_kw))
 
 
 def import_sharded(reader, cfg: ModelConfig, names: dict, shardings: dict, dtype: str = "float32",

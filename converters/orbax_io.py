@@ -1,33 +1,55 @@
-"""The converted-model directory, write side (read side: jaxmodels/checkpoint.py): `jaxmodels.json` (config),
-`params/` (orbax), tokenizer files.
+"""The converted-model directory, write side (format and read side: jaxmodels/checkpoint.py): `jaxmodels.json`
+(config, checksums), `params/` (a safetensors file per leaf), tokenizer files. (Format 2 wrote `params/` with
+orbax, hence this module's name; it still loads.)
+
+Streaming: `write` takes the converted values as they come, a slice of a leaf at a time (`hf.Part`: a layer, an
+expert, a whole tensor), and writes each straight into its place in its leaf file (os.pwrite at the slice's
+offset), checksummed on the way (the file's CRC32 is combined from its slices'): nothing is gathered in memory,
+nothing read back.
 
 Nothing we did not create is deleted or overwritten. `check_destination` runs before any import work: an
 existing destination needs overwrite, and even then only an empty directory or one of our own converted
 outputs is replaced, never the source or a directory that contains it. The output is written into a temporary
 sibling (`.<name>.*.partial`, with an `owner` file naming its process) and moved in at the end: a rename that
 fails if something appeared at the destination meanwhile (two converts to one destination: one wins, the other
-fails), or with overwrite the old output set aside, the new one moved in, the old one removed. Temporaries of
-conversions whose process has died (killed runs) are removed by the next conversion to that destination.
+fails), or with overwrite the old output set aside, the new one moved in, the old one removed.
+
+Resuming: a conversion also writes `job.json` (its source files by size and mtime, its options) and `journal` (a
+line per slice written: where, and its CRC32) into its temporary. An error removes the temporary; an interruption
+(Ctrl-C, a kill, a crash) leaves it. The next conversion of the same job to the same destination takes over the
+temporary of a process that is gone: it reads back each journaled slice, keeps those whose CRC32 matches and
+converts only the rest. Other temporaries of dead processes are removed.
 """
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import logging
+import math
 import os
+import secrets
 import shutil
 import socket
 import tempfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import jax
-import orbax.checkpoint as ocp
+import numpy as np
 
-from jaxmodels.checkpoint import CONFIG_FILE, FORMAT_VERSION, checksums
+from converters.crc32 import combine
+from converters.hf import Part
+from converters.safetensors_io import CheckpointError
+from jaxmodels.checkpoint import (CONFIG_FILE, FORMAT_VERSION, LEAF_SUFFIX, ST_DTYPES, ST_NAMES, leaf_header,
+                                  read_into)
 from jaxmodels.config import ModelConfig
+from jaxmodels.plan import flatten
 
 log = logging.getLogger(__name__)
 OWNER = "owner"  # in a temporary output: "host pid"
+INTERRUPTED = "interrupted"  # the owner's pid once it stopped on Ctrl-C: resumable from the same process too
+JOB, JOURNAL = "job.json", "journal"  # in a temporary output: what it converts, the slices written so far
 
 
 def check_destination(dst: str | Path, src: str | Path | None = None, overwrite: bool = False) -> Path:
@@ -50,17 +72,31 @@ def check_destination(dst: str | Path, src: str | Path | None = None, overwrite:
     return dst
 
 
+def _temporaries(dst: Path, suffix: str = ".partial") -> list[Path]:
+    """The temporaries of conversions to exactly `dst`: `.NAME.<token>.partial` (not those of `NAME.v2`, say)."""
+    pre = f".{dst.name}."
+    return sorted(p for p in dst.parent.glob(f"{glob.escape(pre)}*{suffix}")
+                  if "." not in p.name[len(pre):-len(suffix)])
+
+
 def remove_stale(dst: Path) -> None:
     """Remove the temporaries of earlier conversions to `dst` whose process is gone (a killed run)."""
-    host = socket.gethostname()
-    for tmp in dst.parent.glob(f".{dst.name}.*.partial"):
-        try:
-            who_host, pid = (tmp / OWNER).read_text().split()
-        except (OSError, ValueError):
-            continue  # not ours to judge (no owner file): left alone
-        if who_host == host and not _alive(int(pid)):
+    for tmp in _temporaries(dst):
+        if (pid := _abandoned(tmp)) is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             log.warning("removed %s, left by an interrupted conversion (process %s)", tmp, pid)
+
+
+def _abandoned(tmp: Path) -> str | None:
+    """The owner (a pid, or INTERRUPTED) of a temporary that no process of this host writes any more; None if it
+    is alive, of another host, or not ours to judge (no owner file)."""
+    try:
+        host, pid = (tmp / OWNER).read_text().split()
+    except (OSError, ValueError):
+        return None
+    if host != socket.gethostname() or not (pid == INTERRUPTED or pid.isdigit() and not _alive(int(pid))):
+        return None
+    return pid
 
 
 def _alive(pid: int) -> bool:
@@ -75,36 +111,202 @@ def _alive(pid: int) -> bool:
 
 def save(dst: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, overwrite: bool = False,
          src: str | Path | None = None) -> Path:
+    """Write a parameter tree held in memory (numpy or jax arrays) as a converted model."""
+    items = [((p, ()), [Part(p, (), (), np.asarray(v))]) for p, v in flatten(params).items()]
+    return write(dst, cfg, lambda done: iter(items), tokenizer, overwrite, src)
+
+
+def write(dst: str | Path, cfg: ModelConfig, items_for, tokenizer=None, overwrite: bool = False,
+          src: str | Path | None = None, job: dict | None = None) -> Path:
+    """Write a converted model whose params come as a stream: items_for(done) -> iterator of (key, [Part]), a key
+    (param path, index) per converted placement, leaving out the keys in `done` (those a resumed temporary already
+    holds). job: what identifies this conversion (JSON-able); given, an interrupted run of it can be resumed."""
     dst = check_destination(dst, src, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _take_over(dst, job) if job is not None else None
     remove_stale(dst)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the output follows the umask
+    if tmp is None:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it 0700; the output follows the umask
         (tmp / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
-        ckpt = ocp.StandardCheckpointer()
-        ckpt.save(tmp / "params", params)
-        ckpt.wait_until_finished()
+        if job is not None:
+            (tmp / JOB).write_text(json.dumps(job))
+    try:
+        done = _verified_journal(tmp) if job is not None else {}
+        if done:
+            log.warning("resuming the conversion in %s: %d converted slices verified and kept", tmp, len(done))
+        records = [r for parts in done.values() for r in parts]
+        with open(tmp / JOURNAL, "a") as journal:
+            _write_all(tmp / "params", items_for(set(done)), journal, records)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        dtypes = sorted({str(a.dtype) for a in jax.tree.leaves(params)})
+        leaves = _leaf_checksums(tmp / "params", records)
+        dtypes = sorted({r[2] for r in records})
+        dtypes = [str(np.dtype(ST_DTYPES[d])) for d in dtypes]
         meta = {"format_version": FORMAT_VERSION, "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-                "config": cfg.to_dict(), "files": checksums(tmp / "params")}  # verified at load
+                "config": cfg.to_dict(), "files": leaves}  # verified at load
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
-        (tmp / OWNER).unlink()
-        _move_in(tmp, dst, overwrite, src)
-    except BaseException:
+        for name in (JOURNAL, JOB, OWNER):
+            (tmp / name).unlink(missing_ok=True)
+        sync(tmp)  # on disk before it becomes dst (and before an old dst is removed)
+        move_in(tmp, dst, (lambda d: check_destination(d, src, True)) if overwrite else None)
+    except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except BaseException:  # interrupted: left to be resumed (or removed by the next conversion to dst)
+        if not tmp.exists():  # interrupted after the rename: dst is complete
+            raise
+        if job is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            (tmp / OWNER).write_text(f"{socket.gethostname()} {INTERRUPTED}")
+            log.warning("interrupted: %s kept; converting to %s again resumes it", tmp, dst)
         raise
     return dst
 
 
-def _move_in(tmp: Path, dst: Path, overwrite: bool, src) -> None:
-    """rename(tmp, dst): fails if a non-empty dst appeared (an empty directory is replaced: nothing is lost);
-    with overwrite, what is there (checked again: still ours) is set aside first and removed after."""
+IN_FLIGHT = 256 << 20  # bytes a slice being written may hold while the next is read and converted
+
+
+def _write_all(root: Path, items, journal, records: list) -> None:
+    """Write each item's parts and journal them, in a writer thread: the disk writes overlap the next tensor's
+    read and transform. The item being written counts towards host memory, so one larger than IN_FLIGHT is
+    finished before the next is produced (peak: about two tensors + IN_FLIGHT)."""
+    def write(key, parts):
+        written = [_put(root, part) for part in parts]
+        records.extend(written)
+        journal.write(json.dumps([[key[0], list(key[1])], written]) + "\n")
+        journal.flush()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="write") as writer:
+        pending = None
+        it = iter(items)
+        while True:
+            if pending is not None and pending[1] > IN_FLIGHT:
+                pending[0].result()
+            item = next(it, None)
+            if pending is not None:
+                pending[0].result()
+            if item is None:
+                return
+            pending = writer.submit(write, *item), sum(p.value.nbytes for p in item[1])
+            del item
+
+
+def _put(root: Path, part: Part) -> list:
+    """Write one slice into its leaf file (created at its full size on first use); its journal record
+    [leaf, leaf shape, dtype, offset, bytes, crc32]."""
+    v = np.require(part.value, requirements="C")  # (ascontiguousarray would make a 0-d value 1-d)
+    if v.dtype not in ST_NAMES:
+        raise CheckpointError(f"{part.leaf}: cannot store values of dtype {v.dtype}")
+    shape = tuple(part.lead) + v.shape
+    head = leaf_header(part.leaf, shape, v.dtype)
+    offset = len(head) + (int(np.ravel_multi_index(part.index, part.lead)) * v.nbytes if part.index else 0)
+    file = root / (part.leaf + LEAF_SUFFIX)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    data = v.reshape(-1).view(np.uint8)
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        size = len(head) + math.prod(shape) * v.dtype.itemsize
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+        _pwrite(fd, head, 0)
+        _pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+    return [part.leaf, list(shape), ST_NAMES[v.dtype], offset, v.nbytes, zlib.crc32(data)]
+
+
+def _pwrite(fd: int, data, offset: int) -> None:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
+
+
+def _leaf_checksums(root: Path, records: list) -> dict[str, list[int]]:
+    """{leaf file: [size, crc32]}, combined from the header's and the slices' CRC32s; a leaf whose slices do not
+    tile it exactly (one placed twice, or with gaps) is an error."""
+    by_leaf: dict[str, list] = {}
+    for r in records:
+        by_leaf.setdefault(r[0], []).append(r)
+    out = {}
+    for leaf, rs in sorted(by_leaf.items()):
+        shapes = {(tuple(r[1]), r[2]) for r in rs}
+        if len(shapes) > 1:
+            raise CheckpointError(f"{leaf}: its slices disagree on the stacked shape and dtype: {sorted(shapes)}")
+        (shape, dtype), = shapes
+        head = leaf_header(leaf, shape, ST_DTYPES[dtype])
+        crc, end = zlib.crc32(head), len(head)
+        for _, _, _, offset, nbytes, part in sorted(rs, key=lambda r: r[3]):
+            if offset != end:
+                raise CheckpointError(f"{leaf}: slices written {'twice' if offset < end else 'with a gap'} at byte "
+                                      f"{offset}")
+            crc, end = combine(crc, part, nbytes), end + nbytes
+        if end != len(head) + math.prod(shape) * np.dtype(ST_DTYPES[dtype]).itemsize:
+            raise CheckpointError(f"{leaf}: only {end - len(head)} of its bytes were written")
+        out[leaf + LEAF_SUFFIX] = [end, crc]
+    return out
+
+
+def _take_over(dst: Path, job: dict) -> Path | None:
+    """The temporary of an interrupted conversion of `job` to `dst` whose process is gone, renamed to a name of
+    ours (atomic: of two racing resumers one wins) and owned by this process; None if there is none."""
+    for tmp in _temporaries(dst):
+        try:
+            if _abandoned(tmp) is None or json.loads((tmp / JOB).read_text()) != job:
+                continue
+        except (OSError, ValueError):
+            continue
+        mine = dst.parent / f".{dst.name}.{secrets.token_hex(6)}.partial"
+        try:
+            os.rename(tmp, mine)
+        except OSError:
+            continue  # another resumer took it
+        (mine / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
+        return mine
+    return None
+
+
+def _verified_journal(tmp: Path) -> dict[tuple, list]:
+    """{key: records} of the journaled slices still in their files byte for byte (read back, CRC32 compared);
+    a torn last line, a missing or resized file or a differing CRC32 means that slice is converted again."""
+    done = {}
+    try:
+        lines = (tmp / JOURNAL).read_text().splitlines()
+    except FileNotFoundError:
+        return done
+    for line in lines:
+        try:
+            (path, index), recs = json.loads(line)
+            key = (path, tuple(index))
+            ok = all(_holds(tmp / "params", *r) for r in recs)
+        except (ValueError, TypeError, KeyError, OSError):
+            continue
+        if ok:
+            done[key] = recs
+    return done
+
+
+def _holds(root: Path, leaf: str, shape, dtype: str, offset: int, nbytes: int, crc: int) -> bool:
+    file = root / (leaf + LEAF_SUFFIX)
+    head = leaf_header(leaf, tuple(shape), ST_DTYPES[dtype])
+    if file.stat().st_size != len(head) + math.prod(shape) * np.dtype(ST_DTYPES[dtype]).itemsize:
+        return False
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        buf = np.empty(nbytes, np.uint8)
+        return os.pread(fd, len(head), 0) == head and read_into(fd, buf, offset, 0) == crc
+    finally:
+        os.close(fd)
+
+
+def move_in(tmp: Path, dst: Path, recheck=None, doing: str = "converting") -> None:
+    """rename(tmp, dst), durably: fails if a non-empty dst appeared (an empty directory is replaced: nothing is
+    lost). recheck(dst), given when replacing is allowed, raises unless what is there is still ours to replace;
+    it is then set aside first and removed once tmp is in place."""
     aside = None
-    if overwrite and dst.exists():
-        check_destination(dst, src, overwrite)
+    if recheck is not None and (dst.exists() or dst.is_symlink()):
+        recheck(dst)
         aside = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
         os.rename(dst, aside / "old")
     try:
@@ -114,14 +316,31 @@ def _move_in(tmp: Path, dst: Path, overwrite: bool, src) -> None:
             os.rename(aside / "old", dst)
             aside.rmdir()
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise FileExistsError(f"{dst} appeared while converting (another conversion to it?); left it as it "
-                                  f"is, nothing written") from None
+            raise FileExistsError(f"{dst} appeared while {doing} (another conversion or export writing it?); left "
+                                  f"it as it is, nothing written") from None
         raise
+    _fsync(dst.parent)  # the rename is durable before the old copy goes
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def _umask() -> int:
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync(root: Path) -> None:
+    """fsync every file and directory under root: the data is on disk before a rename publishes it."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            _fsync(os.path.join(d, name))
+        _fsync(d)
+
+
+def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -48,6 +48,11 @@ class MXFP4Reader:
             return (*lead, g * 32, out)
         return self.reader.shape(name)
 
+    def nbytes(self, name):
+        if name in self._pairs:
+            return sum(self.reader.nbytes(n) for n in self._pairs[name]) if hasattr(self.reader, "nbytes") else 0
+        return self.reader.nbytes(name) if hasattr(self.reader, "nbytes") else 0
+
     def get_slice(self, name, index):
         if name in self._pairs:  # MXFP4 is decoded whole
             return self.get(name)[index]

@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
 
+from converters.deepseek_quant import read_safetensors_header
 from jaxmodels import files
+from jaxmodels.checkpoint import ST_DTYPES as _OUR_DTYPES, aligned_empty, read_into
 from jaxmodels.files import CheckpointError
+
+ST_DTYPES = _OUR_DTYPES | {"F8_E8M0": np.uint8}  # E8M0 scales stay raw bytes (see converters/deepseek_quant.py)
 
 __all__ = ["CheckpointError", "SafetensorsReader", "TorchReader"]
 INDEX = "model.safetensors.index.json"
@@ -35,7 +40,8 @@ def _check_complete(path: Path) -> None:
 
 
 class SafetensorsReader:
-    """`keys()` and `get(name)`: a numpy copy of one tensor, read through the file's memory map."""
+    """`keys()` and `get(name)`: one tensor read into a fresh array (pread at its offset: no map of the file
+    stays resident, so host memory holds only what the caller keeps); `get_slice` reads through the memory map."""
 
     def __init__(self, root: str | Path):
         root = self._root = Path(root)
@@ -77,13 +83,30 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
-    def get(self, name: str) -> np.ndarray:
-        try:
-            return self._handles[self._where[name]].get_tensor(name)
-        except AttributeError:  # F8_E4M3 / F8_E8M0 (DeepSeek): safetensors.numpy has no such dtypes; read the raw bytes
-            from converters.deepseek_quant import read_safetensors_tensor
+    def nbytes(self, name: str) -> int:
+        a, b = self._entry(name)[0]["data_offsets"]
+        return b - a
 
-            return read_safetensors_tensor(self._root / self._where[name], name)
+    def _entry(self, name: str) -> tuple[dict, int, Path]:
+        path = self._root / self._where[name]
+        header, base = read_safetensors_header(path)
+        return header[name], base, path
+
+    def get(self, name: str) -> np.ndarray:
+        """F8_E4M3 as float8_e4m3fn, F8_E8M0 as its raw bytes (uint8: see converters/deepseek_quant.py)."""
+        meta, base, path = self._entry(name)
+        if meta["dtype"] not in ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+        a, _ = meta["data_offsets"]
+        out = aligned_empty(tuple(meta["shape"]), ST_DTYPES[meta["dtype"]])
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            read_into(fd, out, base + a)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: tensor {name!r}: {e}") from None
+        finally:
+            os.close(fd)
+        return out
 
     def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Only the bytes of `index` are read from the memory map."""
@@ -118,6 +141,10 @@ class TorchReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._tensors[name].shape)
+
+    def nbytes(self, name: str) -> int:
+        t = self._tensors[name]
+        return t.numel() * t.element_size()
 
     def get(self, name: str) -> np.ndarray:
         import ml_dtypes

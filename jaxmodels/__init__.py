@@ -68,7 +68,7 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
 
         if mesh is None:
             cfg, params, tok = read_source(path, dtype or "float32")
-            params = jax.tree.map(jnp.asarray, params)
+            params = jax.tree.map(lambda a: jax.device_put(a, may_alias=True), params)  # adopt the fresh buffers
         else:
             cfg, params, tok = read_source_sharded(path, mesh, rules, dtype or "float32")
     if dtype is not None:

@@ -1,12 +1,24 @@
-"""The converted-model directory, read side: `jaxmodels.json` (format version, dtype, config), `params/`
-(orbax), tokenizer files. `converters` writes it (converters/orbax_io.py)."""
+"""The converted-model directory, read side: `jaxmodels.json` (format version, dtype, config, file checksums),
+`params/` (one safetensors file per parameter leaf), tokenizer files. `converters` writes it
+(converters/orbax_io.py).
+
+Format 3 stores each leaf as `params/<leaf path>.safetensors`, one tensor named by its path, its data starting at
+byte DATA_OFFSET: the converter writes it slice by slice (a layer, an expert) at known offsets, and a load is one
+sequential read per file into a page-aligned buffer that jax adopts without a copy. Format 2 (orbax) still loads.
+"""
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
+import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import ml_dtypes
+import numpy as np
 
 from jaxmodels import files, plan
 from jaxmodels.config import ModelConfig
@@ -14,7 +26,63 @@ from jaxmodels.config import ModelConfig
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "jaxmodels.json"
-FORMAT_VERSION = 2  # 2: every family on the one layer plan (DeepSeek's params stacked per kind)
+FORMAT_VERSION = 3  # 3: a safetensors file per leaf; 2: orbax, every family on the one layer plan
+LEAF_SUFFIX = ".safetensors"
+DATA_OFFSET = 4096  # where a leaf's data starts: page-aligned, so jax can adopt a buffer read whole
+ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+             "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
+             "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32,
+             "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+ST_NAMES = {np.dtype(v): k for k, v in ST_DTYPES.items()}
+
+
+def leaf_header(leaf: str, shape: tuple[int, ...], dtype) -> bytes:
+    """The safetensors header of a one-tensor leaf file, padded so that its data starts at a DATA_OFFSET multiple."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    head = json.dumps({leaf: {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [0, nbytes]}}).encode()
+    n = -(-(8 + len(head)) // DATA_OFFSET) * DATA_OFFSET - 8
+    return struct.pack("<Q", n) + head.ljust(n)
+
+
+def parse_leaf_header(file: Path, head: bytes, size: int) -> tuple[str, tuple[int, ...], np.dtype, int]:
+    """(tensor name, shape, dtype, data offset) of a leaf file of `size` bytes from its first bytes `head`;
+    ValueError naming the file when they are not one tensor that fills the file."""
+    try:
+        (n,) = struct.unpack("<Q", head[:8])
+        meta = json.loads(head[8:8 + n]) if 8 + n <= len(head) else None
+        (name, t), = meta.items()
+        shape, dtype, (a, b) = tuple(int(x) for x in t["shape"]), np.dtype(ST_DTYPES[t["dtype"]]), t["data_offsets"]
+        ok = a == 0 and b == math.prod(shape) * dtype.itemsize and 8 + n + b == size and min(shape, default=0) >= 0
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, AttributeError, LookupError, TypeError,
+            ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{file}: not a jaxmodels parameter file (one safetensors tensor filling the file); "
+                         f"convert the model again")
+    return name, shape, dtype, 8 + n
+
+
+def aligned_empty(shape: tuple[int, ...], dtype, align: int = DATA_OFFSET) -> np.ndarray:
+    """An uninitialised array whose data starts at an `align` boundary (jax aliases 64-byte aligned host buffers)."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(math.prod(shape) * dtype.itemsize + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def read_into(fd: int, buf: np.ndarray, offset: int, crc: int | None = None) -> int | None:
+    """Fill `buf` (contiguous) with the file's bytes from `offset`; their CRC32 continued from `crc` unless None."""
+    view = memoryview(buf.reshape(-1).view(np.uint8))
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:done + (1 << 30)]], offset + done)
+        if n <= 0:
+            raise ValueError(f"unexpected end of file at byte {offset + done}")
+        if crc is not None:
+            crc = zlib.crc32(view[done:done + n], crc)
+        done += n
+    return crc
 
 
 def is_converted(path: str | Path) -> bool:
@@ -35,7 +103,7 @@ def load_config(path: str | Path) -> ModelConfig:
     if version == 1 and cfg.get("family", "").startswith("deepseek"):
         raise ValueError(f"{path}: converted by an older jaxmodels (format 1, DeepSeek's own layout); "
                          f"convert the checkpoint again")
-    if version not in (1, FORMAT_VERSION):
+    if version not in (1, 2, FORMAT_VERSION):
         raise ValueError(f"{path}: unsupported jaxmodels format version {version}")
     return ModelConfig.from_dict(cfg)
 
@@ -57,28 +125,43 @@ def _crc(path: Path) -> list[int]:
     return [size, crc]
 
 
-def verify_files(path: str | Path) -> None:
-    """The params files are those written at conversion, byte for byte (sizes and CRC32s in jaxmodels.json)."""
+def _recorded(path: str | Path) -> dict[str, list[int]] | None:
+    """The {file: [size, crc32]} written at conversion, checked to be well formed; None (logged) if there is none."""
     recorded = load_meta(path).get("files")
     if recorded is None:
         log.warning("%s: no checksums recorded (converted by an older jaxmodels); its files are not verified", path)
-        return
-    where = Path(path) / "params"
+        return None
     if not isinstance(recorded, dict) or not all(
             isinstance(n, str) and ".." not in Path(n).parts and isinstance(v, list) and len(v) == 2
             and all(isinstance(x, int) for x in v) for n, v in recorded.items()):
         raise ValueError(f"{path}: the checksums in {CONFIG_FILE} are malformed (convert the model again)")
-    for name in recorded:
+    return recorded
+
+
+def _check_sizes(where: Path, recorded: dict[str, list[int]]) -> None:
+    for name, (size, _) in recorded.items():
         if not (where / name).is_file():
             raise ValueError(f"{where / name}: missing (the converted model is incomplete; convert it again)")
+        if (got := (where / name).stat().st_size) != size:
+            raise ValueError(f"{where / name}: {got} bytes, {size} written at conversion (truncated or modified; "
+                             f"convert it again)")
+
+
+def _corrupted(file: Path) -> ValueError:
+    return ValueError(f"{file}: checksum differs from the one written at conversion (the file is corrupted or was "
+                      f"modified; convert it again)")
+
+
+def verify_files(path: str | Path) -> None:
+    """The params files are those written at conversion, byte for byte (sizes and CRC32s in jaxmodels.json)."""
+    if (recorded := _recorded(path)) is None:
+        return
+    where = Path(path) / "params"
+    _check_sizes(where, recorded)
     got = checksums(where)
-    for name, (size, crc) in recorded.items():
-        if got[name][0] != size:
-            raise ValueError(f"{where / name}: {got[name][0]} bytes, {size} written at conversion (truncated or "
-                             f"modified; convert it again)")
+    for name, (_, crc) in recorded.items():
         if got[name][1] != crc:
-            raise ValueError(f"{where / name}: checksum differs from the one written at conversion (the file is "
-                             f"corrupted or was modified; convert it again)")
+            raise _corrupted(where / name)
 
 
 def _verify_once(path: str | Path) -> None:
@@ -88,7 +171,6 @@ def _verify_once(path: str | Path) -> None:
 
     if jax.process_count() == 1:
         return verify_files(path)
-    import numpy as np
     from jax.experimental import multihost_utils
 
     error = None
@@ -138,7 +220,82 @@ def _few(paths: list[str]) -> str:
 def load_params(path: str | Path, cfg: ModelConfig, sharding_of=None, verify: bool = True) -> dict:
     """Restore params, after checking the files against their checksums (`verify`) and the stored shapes against
     the config. sharding_of(param path) -> jax.sharding.Sharding: restore each leaf straight into it (each device
-    reads only its shards); the stored shapes and dtypes come from the checkpoint's own metadata."""
+    reads only its shards); the stored shapes and dtypes come from the checkpoint's own metadata.
+
+    Unsharded on one process, each file is read once: its checksum is taken from the buffer it is read into,
+    and jax adopts that buffer (on CPU, no copy: host memory stays at the model's bytes)."""
+    import jax
+
+    if load_meta(path).get("format_version") in (1, 2):
+        return _load_orbax(path, cfg, sharding_of, verify)
+    where = Path(path).absolute() / "params"
+    fused = verify and sharding_of is None and jax.process_count() == 1
+    recorded = None
+    if fused and (recorded := _recorded(path)) is not None:
+        _check_sizes(where, recorded)
+    elif verify and not fused:
+        _verify_once(path)
+    try:
+        leaves = stored_leaves(where)
+    except ValueError:
+        if recorded is not None:  # a damaged header: name it as what it is, a file that changed
+            verify_files(path)
+        raise
+    check_shapes(cfg, {p: (shape, str(dtype)) for p, (_, shape, dtype, _) in leaves.items()})
+    if sharding_of is not None:
+        return plan.unflatten({p: jax.make_array_from_callback(
+            shape, sharding_of(p), lambda idx, f=f, o=o, s=shape, d=dtype: _read_slice(f, o, s, d, idx))
+            for p, (f, shape, dtype, o) in leaves.items()})
+
+    def one(item):
+        p, (file, shape, dtype, offset) = item
+        want = None if recorded is None else recorded.get(str(file.relative_to(where)))
+        buf = aligned_empty(shape, dtype)
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            crc = None if want is None else zlib.crc32(os.pread(fd, offset, 0))
+            crc = read_into(fd, buf, offset, crc)
+        finally:
+            os.close(fd)
+        if want is not None and crc != want[1]:
+            raise _corrupted(file)
+        return p, jax.device_put(buf, may_alias=True)
+
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as ex:  # reads and CRCs release the GIL
+        params = dict(ex.map(one, sorted(leaves.items(), key=lambda kv: -kv[1][0].stat().st_size)))
+    if recorded is not None:  # recorded files that are not leaves (none are written): still verified
+        for name in set(recorded) - {str(f.relative_to(where)) for f, *_ in leaves.values()}:
+            if _crc(where / name)[1] != recorded[name][1]:
+                raise _corrupted(where / name)
+    return plan.unflatten(params)
+
+
+def stored_leaves(where: Path) -> dict[str, tuple[Path, tuple[int, ...], np.dtype, int]]:
+    """{leaf path: (file, shape, dtype, data offset)} of the leaf files under `where`, from their headers."""
+    out = {}
+    for file in sorted(where.rglob("*" + LEAF_SUFFIX)):
+        leaf = str(file.relative_to(where))[: -len(LEAF_SUFFIX)]
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(DATA_OFFSET)
+            if len(head) >= 8 and 8 + struct.unpack("<Q", head[:8])[0] > len(head):
+                head += f.read(min(struct.unpack("<Q", head[:8])[0], 1 << 20))
+        name, shape, dtype, offset = parse_leaf_header(file, head, size)
+        if name != leaf:
+            raise ValueError(f"{file}: holds tensor {name!r}, not {leaf!r}; convert the model again")
+        out[leaf] = (file, shape, dtype, offset)
+    return out
+
+
+def _read_slice(file: Path, offset: int, shape, dtype, idx) -> np.ndarray:
+    """One shard of a leaf: only its bytes are touched, through a map dropped once copied."""
+    if not math.prod(shape):
+        return np.zeros(shape, dtype)[idx]
+    return np.array(np.memmap(file, dtype, "r", offset, shape)[idx])
+
+
+def _load_orbax(path: str | Path, cfg: ModelConfig, sharding_of=None, verify: bool = True) -> dict:
+    """Format 2: params written by orbax."""
     import jax
     import orbax.checkpoint as ocp
 

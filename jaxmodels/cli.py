@@ -1,4 +1,4 @@
-"""The `jaxmodels` command: convert, inspect, generate."""
+"""The `jaxmodels` command: convert, export, inspect, generate."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +17,15 @@ def _convert(args) -> int:
     dst = converters.convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force,
                              keep_quantized=args.keep_quantized, skip_mtp=args.skip_mtp)
     print(f"converted {args.src} -> {dst}")
+    return 0
+
+
+def _export(args) -> int:
+    import converters
+
+    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+    dst = converters.export(args.src, args.hf_dir, dtype=args.dtype, overwrite=args.force, max_shard_size=size)
+    print(f"exported {args.src} -> {dst}")
     return 0
 
 
@@ -146,6 +155,18 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--skip-mtp", action="store_true", help="DeepSeek V4: leave out the MTP / DSpark weights")
     c.set_defaults(fn=_convert)
 
+    e = sub.add_parser("export", help="write a model back to a Hugging Face directory (safetensors, config, tokenizer)")
+    e.add_argument("src", help="a converted directory or a source checkpoint (anything jm.load reads)")
+    e.add_argument("hf_dir", help="output directory (written atomically), loadable with transformers")
+    e.add_argument("--dtype", choices=DTYPES, help="cast the parameters (default: as converted; a source checkpoint is "
+                                                   "read in float32)")
+    e.add_argument("--force", action="store_true",
+                   help="replace hf_dir if it is an earlier export (or an empty directory)")
+    e.add_argument("--max-shard-size", default="5GB",
+                   help="split model.safetensors into shards with an index above this size (bytes, or e.g. 500MB, "
+                        "2GiB; default: 5GB)")
+    e.set_defaults(fn=_export)
+
     i = sub.add_parser("inspect", help="architecture, layer plan, parameter count and bytes")
     i.add_argument("path", help="a converted directory or a source checkpoint")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -165,7 +186,8 @@ def parser() -> argparse.ArgumentParser:
                    help="apply the checkpoint's chat template (default: on)")
     g.add_argument("--dtype", choices=DTYPES, help="cast parameters after loading")
     g.add_argument("--unroll", action="store_true",
-                   help="unroll the decode loop over layers: ~2x faster decode on GPU, longer compile")
+                   help="unroll the decode loop over layers (longer compile; no faster since the layers read their "
+                        "weights in place)")
     g.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                    help="run twice and report compiled tokens/s (default: on)")
     g.add_argument("--mesh", help="shard over a device mesh, e.g. 'data=2,tensor=4' (axes: data fsdp tensor expert)")
@@ -174,7 +196,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num-processes", type=int, help="multi-host: number of processes")
     g.add_argument("--process-id", type=int, help="multi-host: this process's index")
     g.set_defaults(fn=_generate)
-    for command in (c, i, g):
+    for command in (c, e, i, g):
         command.add_argument("--debug", action="store_true", help="show the full trace of an error")
     return p
 

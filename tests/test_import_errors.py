@@ -218,7 +218,7 @@ def test_destination_is_checked_before_the_import(src, tmp_path, monkeypatch):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "x").write_text("x")
-    monkeypatch.setattr(converters, "read_source", lambda *a, **k: pytest.fail("imported before checking dst"))
+    monkeypatch.setattr(converters, "open_source", lambda *a, **k: pytest.fail("opened before checking dst"))
     with pytest.raises(FileExistsError):
         converters.convert(src, dst, dtype="float32", progress=False)
 
@@ -230,7 +230,7 @@ def test_a_destination_that_appears_meanwhile_is_left_alone(src, tmp_path, monke
     from converters import orbax_io
 
     dst = tmp_path / "out"
-    module, name = (converters, "read_source") if when == "import" else (orbax_io, "remove_stale")
+    module, name = (converters, "open_source") if when == "import" else (orbax_io, "remove_stale")
     real = getattr(module, name)
 
     def racing(*a, **k):  # another conversion to dst finishes meanwhile
