@@ -15,7 +15,8 @@ generator_vllm does.
 Options: `chunk_start` (a later prefill chunk attending to earlier ones through the cache with
 `chunked_scaled_dot_product_attention`), `per_layer_page_tables` (hybrid KV-cache groups read
 "page_table.<i>"), `cache_position_modulo` (sliding layers as rings), `policy` (DecodersPrecision-like
-dtypes and compute configs, `tt_backend.weights.POLICIES`).
+dtypes and compute configs, `tt_backend.weights.POLICIES`; a `DecodersPrecision` sets them per layer, as
+`tt_backend.precision.choose` does from the weights).
 
 MoE layers (GPT-OSS, Qwen3-MoE routers) are lowered with dense experts: every expert runs on every
 row, weighted by its routing weight (exact routing, E times the expert work of ttnn.sparse_matmul).
@@ -35,7 +36,7 @@ import math
 
 from jaxmodels.config import LayerSpec, ModelConfig
 from tt_backend.program import Ref, TTCall, TTModelProgram, TTProgram, TTTensorSpec
-from tt_backend.weights import Precision, policy as get_policy, rope_specs
+from tt_backend.weights import DecodersPrecision, Precision, layer_policy, policy as get_policy, rope_specs
 
 TILE = 32
 PREFILL_MULTIPLE = 128  # scaled_dot_product_attention asserts seq_len % 128 == 0 (tt_transformers attention.py)
@@ -384,6 +385,15 @@ def _moe(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
 
 
 def _layer(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: dict) -> str:
+    """Decoder layer i under its own precision (a DecodersPrecision's entry, or the uniform policy)."""
+    model_prec, b.prec = b.prec, layer_policy(b.prec, i)
+    try:
+        return _layer_body(b, i, spec, x, rows, rope_name)
+    finally:
+        b.prec = model_prec
+
+
+def _layer_body(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: dict) -> str:
     cfg = b.cfg
     D, eps, L, n = cfg.hidden_size, cfg.norm_eps, f"layers.{i}", f"l{i}"
     shape = (1, 1, rows, D)
@@ -410,7 +420,8 @@ def _layer(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: d
     return x
 
 
-def _program(cfg: ModelConfig, prec: Precision, mode: str, rows: int, max_seq_len: int, block_size: int,
+def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, rows: int, max_seq_len: int,
+             block_size: int,
              page_table_width: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
              modulo: tuple = ()) -> TTProgram:
     b = _Builder(cfg, prec, mode, chunk_start if mode == "prefill" else 0, per_layer_page_tables, modulo)
@@ -472,7 +483,7 @@ def _program(cfg: ModelConfig, prec: Precision, mode: str, rows: int, max_seq_le
 
 
 def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int = MAX_DECODE_BATCH,
-          max_seq_len: int = 8192, block_size: int = 32, policy: str | Precision = "performance",
+          max_seq_len: int = 8192, block_size: int = 32, policy: str | Precision | DecodersPrecision = "performance",
           chunk_start: int = 0, per_layer_page_tables: bool = False,
           cache_position_modulo: tuple[int | None, ...] | None = None) -> TTModelProgram:
     """The prefill program for a prompt of `prefill_len` tokens (padded to a multiple of 128) and
@@ -490,6 +501,8 @@ def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int =
     if block_size % TILE:
         raise TTConstraintError(f"block_size={block_size} is not a multiple of {TILE}")
     prec = get_policy(policy)
+    if isinstance(prec, DecodersPrecision) and len(prec.layers) != cfg.num_layers:
+        raise ValueError(f"policy {prec.name!r} has {len(prec.layers)} decoder entries for {cfg.num_layers} layers")
     S = padded_prefill_len(prefill_len)
     if chunk_start < 0 or chunk_start % block_size:
         raise TTConstraintError(f"chunk_start={chunk_start} must be a non-negative multiple of block_size={block_size}")

@@ -82,8 +82,39 @@ POLICIES = {
 }
 
 
-def policy(p: str | Precision) -> Precision:
-    if isinstance(p, Precision):
+@dataclass(frozen=True)
+class DecodersPrecision:
+    """A `Precision` per decoder layer (tt_transformers' `DecodersPrecision`): `base` holds the
+    model-wide settings (KV-cache dtype, LM head, norms, RoPE, router) and `layers[i]` layer i's
+    weight dtypes and matmul fidelities. `tt_backend.precision.choose` fills it from measured
+    sensitivities; every layer must keep the base's KV-cache dtype (the caches share one dtype)."""
+
+    name: str
+    base: Precision
+    layers: tuple[Precision, ...]
+
+    def __post_init__(self):
+        bad = [i for i, p in enumerate(self.layers) if p.kv_cache != self.base.kv_cache]
+        if bad:
+            raise ValueError(f"layers {bad}: the KV-cache dtype is model-wide ({self.base.kv_cache})")
+
+    def layer(self, i: int) -> Precision:
+        return self.layers[i]
+
+    # model-wide fields read through the base (lm_head, kv_cache, norm, ...)
+    def __getattr__(self, item):
+        if item in Precision.__dataclass_fields__:
+            return getattr(self.base, item)
+        raise AttributeError(item)
+
+
+def layer_policy(p: "Precision | DecodersPrecision", i: int) -> Precision:
+    """Layer i's settings: the per-layer entry of a DecodersPrecision, else the uniform policy."""
+    return p.layer(i) if isinstance(p, DecodersPrecision) else p
+
+
+def policy(p: "str | Precision | DecodersPrecision") -> "Precision | DecodersPrecision":
+    if isinstance(p, (Precision, DecodersPrecision)):
         return p
     try:
         return POLICIES[p]

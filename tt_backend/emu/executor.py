@@ -39,6 +39,10 @@ For `tt_backend.generator` (vLLM contract), `VLLMExecutor` implements its `Execu
     valid_seq_len; update and decode SDPA wrap positions mod m); not combined with chunked prefill.
 
 Numerics: see `tt_backend.emu.numerics` (levels exact / storage / full).
+
+Precision: a policy *name* ("performance", "accuracy") is resolved per model by `tt_backend.precision.for_model`
+into a per-layer `DecodersPrecision` (bfp8 where bfp4 would break a layer, as measured on the weights); a
+`Precision` or `DecodersPrecision` object is used exactly as given.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ import functools
 
 import numpy as np
 
-from tt_backend import paged_cache
+from tt_backend import paged_cache, precision
 from tt_backend.emu import numerics
 from tt_backend.emu.ops import OPS, Env
 from tt_backend.lowering import check_decode_batch, lower, padded_prefill_len
@@ -59,6 +63,10 @@ class Executor:
                  block_size: int = 32):
         self.config, self.level = model.config, numerics_level(numerics)
         self.policy, self.max_seq_len, self.block_size = get_policy(policy), max_seq_len, block_size
+        if isinstance(policy, str) and self.level != "exact":
+            # a named policy is a starting point: tensors whose measured error breaks the layer are promoted
+            # (tt_backend.precision); a Precision / DecodersPrecision object is used as given
+            self.policy = precision.for_model(model, self.policy, executor=Executor)
         progs = lower(self.config, prefill_len=1, batch=1, max_seq_len=max_seq_len, block_size=block_size,
                       policy=self.policy)  # checks the config and fixes the weight specs
         specs = {n: s for n, s in progs.prefill.tensors.items() if s.kind == "weight"}
