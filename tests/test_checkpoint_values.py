@@ -97,10 +97,7 @@ def v41(tmp_path_factory):
     """DeepSeek V4.1's tiny checkpoint in its own layout (FP8 e4m3 + E8M0 scales, packed FP4 experts) as tensors."""
     path = tmp_path_factory.mktemp("v41") / "ckpt"
     path.mkdir()
-    hf = ck.tiny_config("v4.1", quantized=True)
-    ck.write_checkpoint(str(path), hf, seed=0)
-    V = hf["text_config"]["vocab_size"]
-    ck.write_word_tokenizer(path, V)
+    ck.write_tiny_v41(path)
     from converters import deepseek_quant as dq
 
     header, _ = dq.read_safetensors_header(path / "model.safetensors")

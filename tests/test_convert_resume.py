@@ -55,6 +55,21 @@ def _counting(monkeypatch):
     return calls
 
 
+def _interrupting(monkeypatch, when):
+    """orbax_io._put raising KeyboardInterrupt (a Ctrl-C) at the slice for which when(n, part) holds (n counts
+    calls from 1); returns the real _put."""
+    real, n = orbax_io._put, [0]
+
+    def put(*a):
+        n[0] += 1
+        if when(n[0], a[1]):
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(orbax_io, "_put", put)
+    return real
+
+
 @pytest.fixture(scope="module")
 def fresh(src, tmp_path_factory):
     dst = converters.convert(src, tmp_path_factory.mktemp("fresh") / "out", progress=False)
@@ -101,15 +116,7 @@ def test_another_job_starts_over(src, tmp_path, monkeypatch):
 
 def test_ctrl_c_keeps_the_partial_for_the_same_process_and_errors_remove_it(src, fresh, tmp_path, monkeypatch):
     dst = tmp_path / "out"
-    real, n = orbax_io._put, [0]
-
-    def interrupted(*a):
-        n[0] += 1
-        if n[0] == 10:
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(orbax_io, "_put", interrupted)
+    real = _interrupting(monkeypatch, lambda n, part: n == 10)
     with pytest.raises(KeyboardInterrupt):
         converters.convert(src, dst, progress=False)
     assert len(list(tmp_path.glob(".out.*.partial"))) == 1 and not dst.exists()
@@ -147,19 +154,10 @@ def test_an_interrupted_deepseek_engram_conversion_resumes(tmp_path, monkeypatch
     """The Engram token map (built from the tokenizer, not read from a tensor) is not written twice on resume."""
     from tests.oracles import deepseek_ckpt
 
-    src, hf = tmp_path / "v41", deepseek_ckpt.tiny_config("v4.1")
-    deepseek_ckpt.write_checkpoint(str(src), hf)
-    deepseek_ckpt.write_word_tokenizer(src, hf["text_config"]["vocab_size"])
+    src = tmp_path / "v41"
+    deepseek_ckpt.write_tiny_v41(src)
     fresh = json.loads((converters.convert(src, tmp_path / "fresh", progress=False) / "jaxmodels.json").read_text())
-    real, n = orbax_io._put, [0]
-
-    def interrupted(*a):
-        n[0] += 1
-        if a[1].leaf.startswith("mtp/"):  # past the backbone and the Engram map
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(orbax_io, "_put", interrupted)
+    real = _interrupting(monkeypatch, lambda n, part: part.leaf.startswith("mtp/"))  # past the Engram map
     with pytest.raises(KeyboardInterrupt):
         converters.convert(src, tmp_path / "out", progress=False)
     monkeypatch.setattr(orbax_io, "_put", real)
@@ -169,15 +167,7 @@ def test_an_interrupted_deepseek_engram_conversion_resumes(tmp_path, monkeypatch
 
 def test_another_destination_keeps_its_partial(src, tmp_path, monkeypatch):
     """`.out.v2.<x>.partial` belongs to a conversion to `out.v2`: converting to `out` neither removes nor adopts it."""
-    real, n = orbax_io._put, [0]
-
-    def interrupted(*a):
-        n[0] += 1
-        if n[0] == 10:
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(orbax_io, "_put", interrupted)
+    real = _interrupting(monkeypatch, lambda n, part: n == 10)
     with pytest.raises(KeyboardInterrupt):
         converters.convert(src, tmp_path / "out.v2", progress=False)
     monkeypatch.setattr(orbax_io, "_put", real)

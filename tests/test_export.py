@@ -121,21 +121,16 @@ def test_gpt_oss_mxfp4_experts_export_dequantized(tmp_path):
     """MXFP4 expert blocks + scales (a lossy source layout) come back in HF's unquantized layout, holding exactly
     transformers' own decoding of those bytes, in the model's dtype."""
     from safetensors.torch import save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.parity.test_gpt_oss_layouts import mxfp4_experts
 
     hf = ref.build(ref.tiny_config("gpt_oss"), seed=11)
-    sd, rng = {k: v.contiguous() for k, v in hf.state_dict().items()}, np.random.default_rng(0)
-    with torch.no_grad():
-        for i, layer in enumerate(hf.model.layers):
-            for name in ("gate_up_proj", "down_proj"):
-                param = getattr(layer.mlp.experts, name)  # [E, in, out]
-                E, n_in, n_out = param.shape
-                blocks = torch.as_tensor(rng.integers(0, 256, (E, n_out, n_in // 32, 16), dtype=np.uint8))
-                scales = torch.as_tensor(rng.integers(124, 130, (E, n_out, n_in // 32), dtype=np.uint8))
-                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-                base = f"model.layers.{i}.mlp.experts.{name}"
-                del sd[base]
-                sd[base + "_blocks"], sd[base + "_scales"] = blocks, scales
+    packed = mxfp4_experts(hf)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for (i, name), (blocks, scales) in packed.items():
+        base = f"model.layers.{i}.mlp.experts.{name}"
+        del sd[base]
+        sd[base + "_blocks"], sd[base + "_scales"] = blocks, scales
     (tmp_path / "hf").mkdir()
     save_file(sd, tmp_path / "hf" / "model.safetensors")
     config = hf.config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}

@@ -311,3 +311,12 @@ def write_checkpoint(dir: str, config: dict, seed: int = 0) -> None:
     with open(os.path.join(dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     save_safetensors(os.path.join(dir, "model.safetensors"), out, e8m0)
+
+
+def write_tiny_v41(dir, seed: int = 0, **overrides) -> dict:
+    """The spec's tiny V4.1 (tiny_config's overrides) in DeepSeek's own layout (real FP8/FP4 encodings) + the word
+    tokenizer whose pieces give the stub token map; returns its config."""
+    hf = tiny_config("v4.1", quantized=True, **overrides)
+    write_checkpoint(str(dir), hf, seed=seed)
+    write_word_tokenizer(dir, hf["text_config"]["vocab_size"])
+    return hf

@@ -56,10 +56,8 @@ class DictReader:
 def v41(tmp_path_factory):
     path = tmp_path_factory.mktemp("v41mtp") / "ckpt"
     path.mkdir()
-    hf = ck.tiny_config("v4.1", quantized=True, num_nextn_predict_layers=2, compress_ratios=[0, 2, 2, 1, 1, 1, 0, 0])
-    ck.write_checkpoint(str(path), hf, seed=1)
+    hf = ck.write_tiny_v41(path, seed=1, num_nextn_predict_layers=2, compress_ratios=[0, 2, 2, 1, 1, 1, 0, 0])
     V = hf["text_config"]["vocab_size"]
-    ck.write_word_tokenizer(path, V)
     cfg, params, _ = converters.read_source(path, progress=False)  # loads mtp.* by default
     _, skipped, _ = converters.read_source(path, progress=False, skip_mtp=True)
     assert "mtp" not in skipped

@@ -89,10 +89,7 @@ def v41(tmp_path_factory):
     normalised pieces give the stub token map (id 2k = 'w{k}', 2k+1 = ' W{k}': class k)."""
     path = tmp_path_factory.mktemp("v41") / "ckpt"
     path.mkdir()
-    hf = ck.tiny_config("v4.1", quantized=True)
-    ck.write_checkpoint(str(path), hf, seed=0)
-    V = hf["text_config"]["vocab_size"]
-    ck.write_word_tokenizer(path, V)
+    V = ck.write_tiny_v41(path)["text_config"]["vocab_size"]
     cfg, params, _ = converters.read_source(path, progress=False)
     return path, cfg, jax.tree.map(jnp.asarray, params), ck.stub_token_map(V)
 

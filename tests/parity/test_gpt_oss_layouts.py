@@ -13,11 +13,10 @@ import jaxmodels as jm
 from tests.parity import hf_reference as ref
 
 
-@pytest.fixture(scope="module")
-def quantized():
-    """A tiny HF GPT-OSS whose expert weights are exactly representable in MXFP4, and those bytes."""
-    hf = ref.build(ref.tiny_config("gpt_oss"), seed=11)
-    rng = np.random.default_rng(0)
+def mxfp4_experts(hf, seed: int = 0) -> dict:
+    """Set a HF GPT-OSS's expert weights to random MXFP4 codes (transformers' own decoding of them): exactly
+    representable in MXFP4. -> {(layer, "gate_up_proj" | "down_proj"): (blocks, scales)}."""
+    rng = np.random.default_rng(seed)
     packed = {}
     with torch.no_grad():
         for i, layer in enumerate(hf.model.layers):
@@ -28,7 +27,14 @@ def quantized():
                 scales = torch.as_tensor(rng.integers(124, 130, (E, n_out, n_in // 32), dtype=np.uint8))
                 param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
                 packed[(i, name)] = (blocks, scales)
-    return hf, packed
+    return packed
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    """A tiny HF GPT-OSS whose expert weights are exactly representable in MXFP4, and those bytes."""
+    hf = ref.build(ref.tiny_config("gpt_oss"), seed=11)
+    return hf, mxfp4_experts(hf)
 
 
 def _compare(hf, dst):
