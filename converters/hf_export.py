@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -36,6 +35,7 @@ from converters.hf import NAN_BITS, Placement, check_values, np_dtype, plan_impo
 from converters.safetensors_io import INDEX, CheckpointError
 from converters.transforms import TRANSFORMS
 from jaxmodels import families, files
+from jaxmodels.checkpoint import ST_NAMES
 from jaxmodels.config import ModelConfig, RopeSpec
 from jaxmodels.families import _common
 from jaxmodels.plan import flatten, param_specs, plan
@@ -217,10 +217,6 @@ def tensor_value(t: Tensor, params: dict) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------- safetensors
-ST_DTYPES = {np.dtype(k): v for k, v in ((np.float64, "F64"), (np.float32, "F32"), (np.float16, "F16"),
-                                         (ml_dtypes.bfloat16, "BF16"), (ml_dtypes.float8_e4m3fn, "F8_E4M3"),
-                                         (ml_dtypes.float8_e5m2, "F8_E5M2"), (np.int64, "I64"), (np.int32, "I32"),
-                                         (np.int16, "I16"), (np.int8, "I8"), (np.uint8, "U8"), (np.bool_, "BOOL"))}
 SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
               "TIB": 2**40}
 
@@ -259,9 +255,9 @@ def write_safetensors(path: Path, tensors: list[Tensor], value: Callable[[Tensor
     header: dict = {"__metadata__": {"format": "pt", **EXPORT_MARK}}
     offset = 0
     for t in tensors:
-        if t.dtype not in ST_DTYPES:
+        if t.dtype not in ST_NAMES:
             raise ValueError(f"{t.name}: dtype {t.dtype} has no safetensors code")
-        header[t.name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
+        header[t.name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape),
                           "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
