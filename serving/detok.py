@@ -1,0 +1,60 @@
+"""Incremental, UTF-8-safe detokenization with stop strings, for streaming.
+
+Decoding each new token alone breaks words (a leading space belongs to its neighbours) and multi-byte characters
+(a byte-fallback token may hold half of one). As vLLM does, we decode a short window of earlier tokens with and
+without the new ones and emit the difference, holding it back while it ends in U+FFFD (an incomplete character).
+Text that might be the start of a stop string is held back too, so that a stop string never reaches a client.
+"""
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: tuple[str, ...] = (),
+                 include_stop: bool = False):
+        self.tok, self.skip, self.stop, self.include_stop = tokenizer, skip_special_tokens, stop, include_stop
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] is context already turned into text
+        self.text = ""  # all text so far (cut at a stop string once one appears)
+        self.sent = 0  # characters of `text` already returned
+        self.stopped = False
+
+    def push(self, ids: list[int]) -> str:
+        """Add generated ids; returns the text that may be sent now. Sets `stopped` on a stop string."""
+        if self.tok is None or self.stopped:
+            return ""
+        self.ids.extend(ids)
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        after = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        if after.endswith(REPLACEMENT) or not after.startswith(before):
+            return self._release(final=False)  # wait for the rest of the character
+        new = after[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self._append(new)
+        return self._release(final=False)
+
+    def _append(self, new: str) -> None:
+        start = max(len(self.text) - max((len(s) for s in self.stop), default=0) + 1, 0)
+        self.text += new
+        hits = [(self.text.find(s, start), s) for s in self.stop if self.text.find(s, start) >= 0]
+        if hits:
+            at, s = min(hits)
+            self.text = self.text[: at + len(s) if self.include_stop else at]
+            self.stopped = True
+
+    def _release(self, final: bool) -> str:
+        hold = 0 if final or self.stopped else max((len(s) for s in self.stop), default=1) - 1
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> str:
+        """The rest of the text once the request ends: the whole output decoded at once, so that the streamed
+        pieces add up to what a single decode gives."""
+        if self.tok is not None and not self.stopped:
+            full = self.tok.decode(self.ids, skip_special_tokens=self.skip)
+            if full.startswith(self.text[: self.sent]):
+                self.text = ""
+                self._append(full)
+        return self._release(final=True)

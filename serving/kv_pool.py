@@ -1,0 +1,221 @@
+"""Paged KV blocks for the engine: allocation per block space, refcounts, and prefix caching.
+
+The model's paged cache (`jaxmodels.cache`) has *table groups* — specs that address slots alike: full
+attention, one sliding-window ring per window size, DeepSeek's compressed and indexer entries — each indexed by a
+block table per sequence, and *pools* (buffers) that groups with the same entry shape share. Groups that share a
+buffer share its block ids: they form one **space** here, with one free list (vLLM's hybrid allocator; the TT
+seed's `tensor_idx`). Every space holds `blocks` blocks.
+
+Logical block i of a sequence holds positions i*bs .. i*bs+bs-1. A full group keeps it in table entry i. A ring of
+S slots (S % bs == 0) keeps it in entry i % (S / bs): the ring is a rolling window of physical blocks, so a ring's
+full blocks can be cached and shared like a full group's. A sequence that wraps onto an entry whose block is
+shared or cached first gets a private copy of it (copy-on-write: the old positions still in the window stay
+readable, and the cached block stays intact).
+
+Prefix caching: a full block is named by a chain digest of every token up to its end (sha256: a collision would
+silently reuse wrong keys). A new sequence reuses the longest prefix P (whole blocks, at most its length - 1, so
+that at least one token runs and gives logits) that *every* cacheable group can serve: blocks 0 .. P/bs-1 for
+a full group, only the last S/bs of them for a ring — which is why hybrid models keep their hits. Blocks whose
+refcount drops to 0 stay cached, evicted least recently used first. A group that cannot be cached (a compressed
+group, a ring not a multiple of the block size, per-sequence state) disables prefix caching for the model.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class OutOfBlocks(Exception):
+    """Not enough free blocks for a request's next chunk (the scheduler preempts or waits)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One table group: key (window, per) as `jaxmodels.cache.table_groups` names it."""
+
+    key: tuple
+    entries: int  # table entries per sequence (blocks per sequence)
+    slots: int  # logical slots per sequence
+    space: int  # the block space it allocates from
+    ring: bool  # a window ring shorter than the sequence: logical block i lives in entry i % entries
+    cacheable: bool  # its full blocks can be shared by prefix
+
+    @property
+    def name(self) -> str:
+        window, per = self.key
+        return "full" if window is None and per == 1 else f"sliding_{window}" if per == 1 else f"compressed_{per}"
+
+
+@dataclass
+class Space:
+    blocks: int
+    refs: np.ndarray = None  # per block
+    free: list = field(default_factory=list)  # uncached free blocks (a stack)
+    lru: OrderedDict = field(default_factory=OrderedDict)  # cached blocks with refcount 0, oldest first
+    digest: dict = field(default_factory=dict)  # cached block -> (group index, digest)
+
+    def __post_init__(self):
+        self.refs = np.zeros(self.blocks, np.int32)
+        self.free = list(range(self.blocks - 1, -1, -1))
+
+    @property
+    def available(self) -> int:
+        return len(self.free) + len(self.lru)
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's tables: per group, its table entries (-1: none yet)."""
+
+    entries: list  # per group: np.int32 [entries]
+    digests: list = field(default_factory=list)  # chain digest of each full logical block of its tokens
+    registered: int = 0  # logical blocks [0, registered) are in the prefix cache (or not cacheable)
+
+
+class KVPool:
+    def __init__(self, groups: list[Group], blocks: int, block_size: int, prefix_caching: bool = True):
+        self.groups, self.block_size = groups, block_size
+        self.spaces = [Space(blocks) for _ in range(1 + max(g.space for g in groups))]
+        self.prefix_caching = prefix_caching and all(g.cacheable for g in groups)
+        self.cached = [dict() for _ in groups]  # per group: digest -> block
+        self.queries = [0] * len(groups)  # prefix-cache lookups (blocks asked for) and hits, per group
+        self.hits = [0] * len(groups)
+        self.pending_copies: list[tuple[int, int, int]] = []  # (space, src, dst) to run before the next step
+
+    # ------------------------------------------------------------------------------------------- blocks
+    def _take(self, s: int) -> int:
+        sp = self.spaces[s]
+        if sp.free:
+            b = sp.free.pop()
+        elif sp.lru:  # evict the least recently used cached block
+            b, _ = sp.lru.popitem(last=False)
+            g, d = sp.digest.pop(b)
+            del self.cached[g][d]
+        else:
+            raise OutOfBlocks(s)
+        sp.refs[b] = 1
+        return b
+
+    def _ref(self, s: int, b: int) -> None:
+        sp = self.spaces[s]
+        if sp.refs[b] == 0:
+            sp.lru.pop(b, None)
+        sp.refs[b] += 1
+
+    def _unref(self, s: int, b: int) -> None:
+        sp = self.spaces[s]
+        sp.refs[b] -= 1
+        if sp.refs[b] == 0:
+            if b in sp.digest:
+                sp.lru[b] = None
+            else:
+                sp.free.append(b)
+
+    def used(self, space: int) -> int:
+        """Blocks held by sequences (cached blocks nobody holds count as free)."""
+        return int(np.count_nonzero(self.spaces[space].refs))
+
+    def free_blocks(self) -> list[int]:
+        return [sp.available for sp in self.spaces]
+
+    # ---------------------------------------------------------------------------------------- sequences
+    def new(self) -> SeqBlocks:
+        return SeqBlocks([np.full(g.entries, -1, np.int32) for g in self.groups])
+
+    def digests(self, seq: SeqBlocks, tokens: list[int]) -> list[bytes]:
+        """Extend seq.digests to every full block of `tokens` (the sequence's tokens so far)."""
+        bs = self.block_size
+        for i in range(len(seq.digests), len(tokens) // bs):
+            parent = seq.digests[-1] if seq.digests else b""
+            seq.digests.append(hashlib.sha256(parent + np.asarray(tokens[i * bs:(i + 1) * bs], np.int64)
+                                              .tobytes()).digest())
+        return seq.digests
+
+    def reuse(self, seq: SeqBlocks, tokens: list[int]) -> int:
+        """Attach the longest cached prefix of `tokens` to a new sequence; returns its length (a multiple of the
+        block size, < len(tokens))."""
+        if not self.prefix_caching:
+            return 0
+        bs = self.block_size
+        d = self.digests(seq, tokens)[: (len(tokens) - 1) // bs]
+        n = len(d)
+        for gi, g in enumerate(self.groups):
+            self.queries[gi] += len(d)
+            if not g.ring:  # blocks 0 .. n-1, consecutive from the first
+                n = min(n, next((i for i, x in enumerate(d) if x not in self.cached[gi]), len(d)))
+        while n > 0 and not all(all(x in self.cached[gi] for x in d[max(0, n - g.entries): n])
+                                for gi, g in enumerate(self.groups) if g.ring):
+            n -= 1
+        for gi, g in enumerate(self.groups):
+            first = max(0, n - g.entries) if g.ring else 0
+            for i in range(first, n):
+                b = self.cached[gi][d[i]]
+                self._ref(g.space, b)
+                seq.entries[gi][i % g.entries] = b
+            self.hits[gi] += n - first
+        seq.registered = n
+        return n * bs
+
+    def allocate(self, seq: SeqBlocks, start: int, end: int) -> None:
+        """Blocks for positions start .. end-1 of `seq` in every group (copy-on-write for shared ring blocks).
+        All or nothing: raises OutOfBlocks with nothing changed."""
+        plan = []  # (group, entry, copy from or -1)
+        for gi, g in enumerate(self.groups):
+            window, per = g.key
+            slot = np.arange(max(start, end - g.slots) if g.ring else start, end) // per
+            for e in np.unique((slot % g.slots if g.ring else slot) // self.block_size):
+                b = seq.entries[gi][e]
+                if b < 0:
+                    plan.append((gi, e, -1))
+                elif self.spaces[g.space].refs[b] > 1 or b in self.spaces[g.space].digest:
+                    plan.append((gi, e, int(b)))  # shared or cached: write a private copy
+        need = [0] * len(self.spaces)
+        for gi, _, _ in plan:
+            need[self.groups[gi].space] += 1
+        if any(n > sp.available for n, sp in zip(need, self.spaces)):
+            raise OutOfBlocks(need)
+        for gi, e, src in plan:
+            g = self.groups[gi]
+            b = self._take(g.space)
+            if src >= 0:
+                self.pending_copies.append((g.space, src, b))
+                self._unref(g.space, src)
+            seq.entries[gi][e] = b
+
+    def register(self, seq: SeqBlocks, tokens: list[int], computed: int) -> None:
+        """Publish seq's full blocks among its first `computed` positions to the prefix cache."""
+        if not self.prefix_caching:
+            return
+        d = self.digests(seq, tokens)
+        full = min(computed // self.block_size, len(d))
+        for i in range(seq.registered, full):
+            for gi, g in enumerate(self.groups):
+                if g.ring and i + g.entries <= (computed - 1) // self.block_size:
+                    continue  # a chunk longer than the window already wrote over it
+                b = int(seq.entries[gi][i % g.entries if g.ring else i])
+                if d[i] in self.cached[gi] or b < 0:
+                    continue
+                sp = self.spaces[g.space]
+                if b in sp.digest:  # the block already names an earlier block (cannot happen without a wrap)
+                    continue
+                self.cached[gi][d[i]] = b
+                sp.digest[b] = (gi, d[i])
+        seq.registered = max(seq.registered, full)
+
+    def release(self, seq: SeqBlocks) -> None:
+        """Drop every block the sequence holds (finished, aborted or preempted)."""
+        for gi, g in enumerate(self.groups):
+            for b in seq.entries[gi]:
+                if b >= 0:
+                    self._unref(g.space, int(b))
+            seq.entries[gi][:] = -1
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        out, self.pending_copies = self.pending_copies, []
+        return out
+
+    def hit_rates(self) -> dict[str, float]:
+        return {g.name: (self.hits[i] / self.queries[i] if self.queries[i] else 0.0) for i, g in enumerate(self.groups)}

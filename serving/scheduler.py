@@ -1,0 +1,111 @@
+"""Continuous batching: which requests run in the next step, and how many of their tokens.
+
+Each step has a token budget. Running requests go first, in arrival order: a decoding one needs 1 token, one still
+prefilling gets a chunk of what the budget has left (chunked prefill; without it a prompt runs whole, alone when it
+exceeds the budget). Then waiting requests are admitted first-come first-served while rows, budget and blocks
+last, each starting after its longest cached prefix. When the blocks for a running request's tokens cannot be
+found, the most recently admitted request is preempted: its blocks are freed and it waits again at the front of
+the queue, to be recomputed (prompt and what it generated) when it is admitted again.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from serving.kv_pool import KVPool, OutOfBlocks
+from serving.request import Request
+
+
+@dataclass
+class Batch:
+    pieces: list  # (request, start, n): tokens start .. start+n-1 of request.tokens run this step
+    preempted: list = field(default_factory=list)
+    admitted: list = field(default_factory=list)  # requests that took a row this step
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True):
+        self.pool, self.max_num_seqs, self.budget, self.chunked = pool, max_num_seqs, max_num_batched_tokens, chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _size(self, req: Request, budget: int, first: bool) -> int:
+        need = len(req.tokens) - req.computed
+        if self.chunked:
+            return min(need, budget)
+        return need if need <= budget or first else 0
+
+    def schedule(self) -> Batch:
+        batch = Batch([])
+        budget = self.budget
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._size(req, budget, not batch.pieces)
+            if n == 0:
+                i += 1
+                continue
+            try:
+                self.pool.allocate(req.blocks, req.computed, req.computed + n)
+            except OutOfBlocks:
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+                continue
+            batch.pieces.append((req, req.computed, n))
+            budget -= n
+            i += 1
+        while self.waiting and not batch.preempted and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            req.blocks = self.pool.new()
+            req.computed = req.cached = self.pool.reuse(req.blocks, req.tokens)
+            n = self._size(req, budget, not batch.pieces)
+            try:
+                if n == 0:
+                    raise OutOfBlocks("budget")
+                self.pool.allocate(req.blocks, req.computed, req.computed + n)
+            except OutOfBlocks:
+                self.pool.release(req.blocks)
+                req.blocks, req.computed, req.cached = None, 0, 0
+                break
+            self.waiting.popleft()
+            req.row = self.free_rows.pop()
+            self.running.append(req)
+            batch.admitted.append(req)
+            batch.pieces.append((req, req.computed, n))
+            budget -= n
+        return batch
+
+    def _preempt(self, req: Request, batch: Batch) -> None:
+        self.running.remove(req)
+        self._free(req)
+        req.computed = 0
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+        batch.preempted.append(req)
+
+    def _free(self, req: Request) -> None:
+        if req.blocks is not None:
+            self.pool.release(req.blocks)
+            req.blocks = None
+        if req.row >= 0:
+            self.free_rows.append(req.row)
+            req.row = -1
+
+    def finish(self, req: Request) -> None:
+        """A running or waiting request is done (finished or aborted): free everything it holds."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._free(req)
