@@ -75,7 +75,8 @@ class Engine:
             log.warning("prefix caching is off for %s: %s", cfg.family,
                         "its cache keeps per-sequence state" if stateful or not self.runner.extend_ok else
                         f"a sliding window is not a multiple of block_size={bs}")
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, chunked)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   chunked)
         self.requests: dict[str, Request] = {}
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_id is not None:

@@ -10,7 +10,8 @@ Logical block i of a sequence holds positions i*bs .. i*bs+bs-1. A full group ke
 S slots (S % bs == 0) keeps it in entry i % (S / bs): the ring is a rolling window of physical blocks, so a ring's
 full blocks can be cached and shared like a full group's. A sequence that wraps onto an entry whose block is
 shared or cached first gets a private copy of it (copy-on-write: the old positions still in the window stay
-readable, and the cached block stays intact).
+readable, and the cached block stays intact). The scheduler keeps prefill chunks within S - bs + 1 tokens, so
+that no chunk writes over a ring block of its own before the block is cached.
 
 Prefix caching: a full block is named by a chain digest of every token up to its end (sha256: a collision would
 silently reuse wrong keys). A new sequence reuses the longest prefix P (whole blocks, at most its length - 1, so
@@ -166,7 +167,8 @@ class KVPool:
         for gi, g in enumerate(self.groups):
             window, per = g.key
             slot = np.arange(max(start, end - g.slots) if g.ring else start, end) // per
-            for e in np.unique((slot % g.slots if g.ring else slot) // self.block_size):
+            slot = slot % g.slots if g.ring else slot[slot < g.slots]  # a compressed entry past the cache: none
+            for e in np.unique(slot // self.block_size):
                 b = seq.entries[gi][e]
                 if b < 0:
                     plan.append((gi, e, -1))

@@ -186,7 +186,7 @@ class Runner:
 
     def run(self, how: str, pieces) -> list[tuple]:
         """pieces: [(request, start, n)] of one kind -> per piece (token, logprob, top ids, top logprobs)."""
-        P = bucket(len(pieces), cap=self.rows - 1)
+        P = bucket(len(pieces), 8, cap=self.rows - 1)  # at least 8 rows: a decode step costs the same, fewer shapes
         T = 1 if how == "decode" else bucket(max(n for _, _, n in pieces), 16)
         rows = np.full(P, self.rows - 1, np.int32)
         tokens = np.zeros((P, T), np.int32)

@@ -1,8 +1,8 @@
 """Continuous batching: which requests run in the next step, and how many of their tokens.
 
 Each step has a token budget. Running requests go first, in arrival order: a decoding one needs 1 token, one still
-prefilling gets a chunk of what the budget has left (chunked prefill; without it a prompt runs whole, alone when it
-exceeds the budget). Then waiting requests are admitted first-come first-served while rows, budget and blocks
+prefilling gets a chunk of what the budget has left (chunked prefill; without it a prompt runs whole, and the budget is at least
+max_model_len). Then waiting requests are admitted first-come first-served while rows, budget and blocks
 last, each starting after its longest cached prefix. When the blocks for a running request's tokens cannot be
 found, the most recently admitted request is preempted: its blocks are freed and it waits again at the front of
 the queue, to be recomputed (prompt and what it generated) when it is admitted again.
@@ -24,8 +24,15 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True):
-        self.pool, self.max_num_seqs, self.budget, self.chunked = pool, max_num_seqs, max_num_batched_tokens, chunked_prefill
+    def __init__(self, pool: KVPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 chunked_prefill: bool = True):
+        self.pool, self.max_num_seqs, self.chunked = pool, max_num_seqs, chunked_prefill
+        # without chunks a whole prompt must fit a step's budget (as vLLM requires), or long ones would starve
+        self.budget = max_num_batched_tokens if chunked_prefill else max(max_num_batched_tokens, max_model_len)
+        # A chunk longer than a ring would write over its own earlier blocks before they are cached: with prefix
+        # caching, chunks stay short enough that every full block of a ring reaches the cache (S - bs + 1).
+        rings = [g.slots for g in pool.groups if g.ring] if pool.prefix_caching and chunked_prefill else []
+        self.max_chunk = min(rings) - pool.block_size + 1 if rings else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -37,11 +44,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _size(self, req: Request, budget: int, first: bool) -> int:
+    def _size(self, req: Request, budget: int) -> int:
         need = len(req.tokens) - req.computed
         if self.chunked:
-            return min(need, budget)
-        return need if need <= budget or first else 0
+            return min(need, budget, self.max_chunk or need)
+        return need if need <= budget else 0
 
     def schedule(self) -> Batch:
         batch = Batch([])
@@ -49,7 +56,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._size(req, budget, not batch.pieces)
+            n = self._size(req, budget)
             if n == 0:
                 i += 1
                 continue
@@ -68,7 +75,7 @@ class Scheduler:
             req = self.waiting[0]
             req.blocks = self.pool.new()
             req.computed = req.cached = self.pool.reuse(req.blocks, req.tokens)
-            n = self._size(req, budget, not batch.pieces)
+            n = self._size(req, budget)
             try:
                 if n == 0:
                     raise OutOfBlocks("budget")

@@ -1,0 +1,186 @@
+"""The engine against `jm.generate` (the path it replaces): many concurrent requests of different lengths give the
+same greedy tokens, with prefix caching on and off, chunked prefill on and off, and with preemption forced by a tiny
+pool; prefix caching hits in every cache group, sliding windows included; seeded sampling is reproducible whatever
+else runs; penalties and logprobs match a reference computed from `jm.forward`; every block is free at the end."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmodels as jm
+from jaxmodels import model as M, sampling
+from serving import Engine, EngineConfig, LLM, SamplingParams
+from serving.runner import _filter
+from tests.test_paged_cache import _config
+
+NEW = 10
+
+
+@pytest.fixture(autouse=True)
+def _precise():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def _model(name):
+    cfg = _config(name)
+    return jm.Model(cfg, M.init_params(cfg, seed=1, std=0.05))
+
+
+def _prompts(vocab, seed=0):
+    """Lengths around the tiny configs' windows (6) and block sizes; most share a 24-token prefix (prefix hits)."""
+    rng = np.random.default_rng(seed)
+    shared = list(map(int, rng.integers(0, vocab, 24)))
+    out = [shared + list(map(int, rng.integers(0, vocab, n))) for n in (1, 9, 30, 5)]
+    out += [list(map(int, rng.integers(0, vocab, n))) for n in (3, 17, 41)]
+    return out + [shared[:13], shared + out[2][24:40]]
+
+
+def _run(engine, prompts, params):
+    got = {}
+    for i, p in enumerate(prompts):
+        engine.add(str(i), p, params[i] if isinstance(params, list) else params)
+    while engine.has_work():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    assert all(engine.pool.used(s) == 0 for s in range(len(engine.pool.spaces))), "blocks leaked"
+    return [got.get(str(i), []) for i in range(len(prompts))]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+CASES = [  # (family, block size, engine options)
+    ("llama", 4, {}),
+    ("llama", 4, {"enable_prefix_caching": False}),
+    ("llama", 4, {"enable_chunked_prefill": False, "max_num_batched_tokens": 16}),
+    ("llama", 4, {"kv_blocks": 24}),  # fewer than the requests need at once: preemption
+    ("gemma3", 3, {}),  # window 6: rings of 2 blocks wrap, and copy-on-write
+    ("gemma3", 3, {"enable_chunked_prefill": False}),
+    ("gpt_oss", 2, {"max_num_batched_tokens": 7}),  # sinks; sliding and full layers share one pool
+    ("deepseek_v4", 4, {}),  # compressed + indexer + window groups; whole-prompt prefill, no prefix caching
+]
+
+
+@pytest.mark.parametrize("name,block,opts", CASES, ids=[f"{n}-{'-'.join(o) or 'default'}" for n, _, o in CASES])
+def test_greedy_equals_generate(name, block, opts):
+    model = _model(name)
+    prompts = _prompts(model.config.vocab_size)
+    want = jm.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True).tokens
+    config = {"max_num_seqs": 4, "max_model_len": 96, "kv_blocks": 160, "block_size": block,
+              "max_num_batched_tokens": 24, **opts}
+    engine = Engine(model, EngineConfig(**config))
+    got = _run(engine, prompts, GREEDY)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i} (prompt {len(prompts[i])} tokens)"
+    stats = engine.stats()
+    if "kv_blocks" in opts:
+        assert stats["preemptions"] > 0, "the tiny pool was meant to force preemption"
+    if engine.pool.prefix_caching:
+        assert all(rate > 0 for rate in stats["prefix_hit_rate"].values()), stats["prefix_hit_rate"]
+        assert stats["cached_prompt_tokens"] > 0
+    assert (name != "deepseek_v4") == engine.pool.prefix_caching or not config.get("enable_prefix_caching", True)
+
+
+@pytest.mark.parametrize("name,block,opts", [("llama", 4, {}), ("gemma3", 3, {"enable_chunked_prefill": False})])
+def test_preemption_recomputes_the_same_tokens(name, block, opts):
+    """Four requests that each grow to 50 tokens in a pool that holds about two of them."""
+    model = _model(name)
+    prompts = [p[:10] for p in _prompts(model.config.vocab_size)[4:8]]
+    want = jm.generate(model, prompts, max_new_tokens=40, ignore_eos=True).tokens
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=56, kv_blocks=-(-56 // block) + 12,
+                                        block_size=block, **opts))
+    got = _run(engine, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert engine.stats()["preemptions"] > 0
+    assert got == want
+
+
+def test_sliding_groups_keep_their_prefix_hits():
+    """A prompt longer than the window that repeats an earlier one is served from the cache in both groups (a
+    known failure of hybrid allocators: hits drop to 0 once the window has moved on)."""
+    model = _model("gemma3")
+    prompt = list(map(int, np.random.default_rng(3).integers(0, model.config.vocab_size, 40)))
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=96, kv_blocks=64, block_size=3))
+    first = _run(engine, [prompt], GREEDY)
+    before = list(engine.pool.hits)
+    second = _run(engine, [prompt], GREEDY)
+    assert first == second
+    assert engine.stats()["cached_prompt_tokens"] == 39 // 3 * 3
+    ring = [i for i, g in enumerate(engine.pool.groups) if g.ring]
+    assert ring and all(engine.pool.hits[i] - before[i] == engine.pool.groups[i].entries for i in ring)
+
+
+def test_seeded_sampling_is_reproducible_whatever_runs_beside_it():
+    model = _model("llama")
+    prompts = _prompts(model.config.vocab_size)
+    hot = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, seed=s, max_tokens=NEW, ignore_eos=True)
+           for s in range(len(prompts))]
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, kv_blocks=160, block_size=4))
+    together = _run(engine, prompts, hot)
+    alone = _run(engine, prompts[2:3], hot[2:3])
+    mixed = _run(engine, prompts[:4], [GREEDY, GREEDY, hot[2], GREEDY])
+    assert together[2] == alone[0] == mixed[2]
+    other = _run(engine, prompts[2:3], [SamplingParams(temperature=0.9, seed=99, max_tokens=NEW, ignore_eos=True)])
+    assert other[0] != alone[0]
+    assert len({tuple(t) for t in together}) == len(prompts)
+
+
+def test_row_filters_equal_the_reference_filters():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(1, 64)) * 3, jnp.float32)
+    for k, p, m in [(5, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.2), (10, 0.8, 0.05), (0, 1.0, 0.0)]:
+        want = sampling.filter_logits(x, sampling.Sampling(1.0, k or None, p if p < 1 else None, m or None))
+        got = _filter(x, jnp.array([k]), jnp.array([p]), jnp.array([m]))
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=f"top_k={k} top_p={p} min_p={m}")
+
+
+def test_penalties_and_logprobs_match_the_full_forward():
+    model = _model("llama")
+    cfg, prompt = model.config, _prompts(model.config.vocab_size)[2]
+    p = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, presence_penalty=0.7, frequency_penalty=1.3,
+                       logprobs=3)
+    llm = LLM(model, max_num_seqs=2, max_model_len=96, kv_blocks=64, block_size=4)
+    out = llm.generate([prompt, prompt[:7]], [p, GREEDY], use_tqdm=False)[0].outputs[0]
+    seq, counts = list(prompt), np.zeros(cfg.vocab_size)
+    for t, lp in zip(out.token_ids, out.logprobs):
+        logits = np.asarray(M.forward(model.params, cfg, jnp.asarray([seq])))[0, -1]
+        want = int(np.argmax(logits - 1.3 * counts - 0.7 * (counts > 0)))
+        assert t == want
+        ref = np.asarray(jax.nn.log_softmax(logits))
+        assert abs(lp.logprob - ref[t]) < 1e-4
+        assert [i for i, _ in lp.top] == list(np.argsort(-ref)[:3])
+        seq.append(t)
+        counts[t] += 1
+    assert len(out.token_ids) == NEW and out.finish_reason == "length"
+
+
+def test_abort_frees_every_block_and_bad_requests_are_refused():
+    model = _model("llama")
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=64, kv_blocks=64, block_size=4))
+    prompts = _prompts(model.config.vocab_size)
+    for i, pr in enumerate(prompts[:3]):
+        engine.add(str(i), pr, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.used(0) > 0
+    assert engine.abort("0") and engine.abort("2") and not engine.abort("nope")
+    while engine.has_work():
+        engine.step()
+    assert engine.pool.used(0) == 0 and not engine.requests
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add("long", [1] * 64, GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add("bad", [model.config.vocab_size], GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="kv_blocks"):
+        Engine(model, EngineConfig(max_model_len=64, kv_blocks=3, block_size=4))
+
+
+def test_compiled_shapes_stay_bounded():
+    model = _model("llama")
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, kv_blocks=160, block_size=4))
+    rng = np.random.default_rng(5)
+    prompts = [list(map(int, rng.integers(0, model.config.vocab_size, n))) for n in rng.integers(1, 60, 24)]
+    _run(engine, prompts, GREEDY)
+    # 4 rows (the minimum bucket of 8, capped at max_num_seqs) x chunks of 16 or 32 tokens, and decode
+    assert {(how, P, T) for how, P, T, *_ in engine.runner.shapes} <= {("extend", 4, 16), ("extend", 4, 32),
+                                                                       ("decode", 4, 1)}, engine.runner.shapes
