@@ -75,6 +75,9 @@ class Engine:
             log.warning("prefix caching is off for %s: %s", cfg.family,
                         "its cache keeps per-sequence state" if stateful or not self.runner.extend_ok else
                         f"a sliding window is not a multiple of block_size={bs}")
+        if self.pool.prefix_caching and not chunked and any(g.ring for g in groups):
+            log.warning("without chunked prefill a prompt longer than a sliding window writes over its own ring "
+                        "blocks: prefix caching will rarely hit")
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    chunked)
         self.requests: dict[str, Request] = {}
