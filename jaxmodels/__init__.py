@@ -85,3 +85,11 @@ def forward(model: Model, tokens) -> jax.Array:
     """tokens int32 [B, T] -> float32 logits [B, T, vocab] (no cache)."""
     with sharding.entered(model.sharding):
         return _forward(model.params, model.config, jnp.asarray(tokens, jnp.int32), model.sharding)
+
+
+def __getattr__(name):  # the research modules (flax / optax / orbax), loaded on first use: jm.nnx, jm.train, jm.lora
+    if name in ("nnx", "train", "lora"):
+        import importlib
+
+        return importlib.import_module(f"jaxmodels.{name}")
+    raise AttributeError(f"module 'jaxmodels' has no attribute {name!r}")

@@ -1,0 +1,116 @@
+"""Offline serving throughput and latency through the engine (`serving.Engine`, as `LLM` and the server drive it),
+random weights at real shapes. Each stage runs in its own process.
+
+    python3 benchmarks/serving_bench.py --out $OUT [--stages tiny,gpt_oss,llama] [--requests 128]
+        [--prompt 1024] [--new 1024] [--max-num-seqs 64] [--budget 2048]
+
+Reports output tok/s (prefill included: all requests arrive at t=0), TTFT and inter-token latency p50/p99, steps,
+compiled shapes, and the first-step (compile) time separately.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def child(a):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxmodels as jm
+    from benchmarks.bench_dense import LLAMA31_8B, TINY
+    from benchmarks.bench_moe import GPT_OSS_20B
+    from jaxmodels import families, model as M
+    from serving import Engine, EngineConfig, SamplingParams
+
+    name = a.child
+    hf = dict(GPT_OSS_20B if name in ("gpt_oss", "tiny") else LLAMA31_8B)
+    if name == "tiny":
+        hf |= {k: v for k, v in TINY.items() if k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                    "num_attention_heads", "num_key_value_heads", "head_dim")}
+        hf["num_hidden_layers"] = 4
+    cfg = families.config_from_hf(hf)
+    t0 = time.perf_counter()
+    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=jnp.bfloat16))()
+    jax.block_until_ready(params)
+    model = jm.Model(cfg, params, None)
+    max_len = a.prompt + a.new
+    bs = 16
+    engine = Engine(model, EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=max_len, block_size=bs,
+                                        kv_blocks=a.max_num_seqs * -(-max_len // bs) + 64,
+                                        max_num_batched_tokens=a.budget))
+    res = {"stage": name, "init_s": round(time.perf_counter() - t0, 1), "requests": a.requests, "prompt": a.prompt,
+           "new": a.new, "max_num_seqs": a.max_num_seqs, "budget": a.budget, "device": str(jax.devices()[0])}
+    rng = np.random.default_rng(0)
+    params_ = SamplingParams(temperature=0, max_tokens=a.new, ignore_eos=True)
+
+    def run(n, prompt, new):
+        p = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        for i in range(n):
+            engine.add(f"{prompt}-{i}-{time.time()}", rng.integers(0, cfg.vocab_size, prompt).tolist(), p)
+        t = time.perf_counter()
+        times, first, tokens, step_s = {}, {}, 0, []
+        while engine.has_work():
+            s = time.perf_counter()
+            outs = engine.step()
+            now = time.perf_counter()
+            step_s.append(now - s)
+            for o in outs:
+                tokens += len(o.token_ids)
+                times.setdefault(o.request_id, []).append(now)
+        return time.perf_counter() - t, t, times, tokens, step_s
+
+    # warm-up: the shapes the measured run compiles (prefill chunks of every row bucket, decode) on short outputs
+    warm, *_ = run(a.max_num_seqs, a.prompt, 4)
+    res["warmup_s"] = round(warm, 1)
+    res["compiled_shapes_after_warmup"] = len(engine.runner.shapes)
+    del params_
+    wall, t, times, tokens, step_s = run(a.requests, a.prompt, a.new)
+    ttft = np.array([v[0] - t for v in times.values()])
+    itl = np.concatenate([np.diff(v) for v in times.values() if len(v) > 1])
+    res |= {"wall_s": round(wall, 2), "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1),
+            "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3), "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3),
+            "itl_p50_ms": round(1e3 * float(np.percentile(itl, 50)), 2),
+            "itl_p99_ms": round(1e3 * float(np.percentile(itl, 99)), 2),
+            "steps": len(step_s), "step_p50_ms": round(1e3 * float(np.median(step_s)), 2),
+            "compiled_shapes": len(engine.runner.shapes), "preemptions": engine.stats()["preemptions"]}
+    assert tokens == a.requests * a.new, tokens
+    print(json.dumps(res), flush=True)
+    with open(os.path.join(a.out, f"serving_{name}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--stages", default="tiny,gpt_oss,llama")
+    ap.add_argument("--child")
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--timeout", type=int, default=280)
+    a = ap.parse_args()
+    if a.child:
+        return child(a)
+    os.makedirs(a.out, exist_ok=True)
+    for stage in a.stages.split(","):
+        args = [sys.executable, __file__, "--child", stage, "--out", a.out, "--requests", str(a.requests),
+                "--prompt", str(a.prompt), "--new", str(a.new), "--max-num-seqs", str(a.max_num_seqs),
+                "--budget", str(a.budget)]
+        if stage == "tiny":
+            args[args.index("--requests") + 1] = "16"
+        try:
+            subprocess.run(args, timeout=a.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            print(json.dumps({"stage": stage, "error": f"timed out after {a.timeout} s"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
