@@ -2,7 +2,7 @@
 random weights at real shapes. Each stage runs in its own process.
 
     python3 benchmarks/serving_bench.py --out $OUT [--stages tiny,gpt_oss,llama] [--requests 128]
-        [--prompt 1024] [--new 1024] [--max-num-seqs 64] [--budget 2048]
+        [--prompt 1024] [--new 1024] [--max-num-seqs 64] [--budget 2048] [--no-prefix-caching]
 
 Reports output tok/s (prefill included: all requests arrive at t=0), TTFT and inter-token latency p50/p99, steps,
 compiled shapes, and the first-step (compile) time separately.
@@ -41,13 +41,17 @@ def child(a):
     model = jm.Model(cfg, params, None)
     max_len = a.prompt + a.new
     bs = 16
+    from serving.runner import groups_of
+
+    groups = groups_of(cfg, max_len, bs, jnp.bfloat16)[0]  # blocks for every row's full sequence in each pool
+    per_seq = max(sum(g.entries for g in groups if g.space == s) for s in {g.space for g in groups})
     engine = Engine(model, EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=max_len, block_size=bs,
-                                        kv_blocks=a.max_num_seqs * -(-max_len // bs) + 64,
-                                        max_num_batched_tokens=a.budget))
+                                        kv_blocks=a.max_num_seqs * per_seq + 256, max_num_batched_tokens=a.budget,
+                                        enable_prefix_caching=not a.no_prefix_caching))
     res = {"stage": name, "init_s": round(time.perf_counter() - t0, 1), "requests": a.requests, "prompt": a.prompt,
-           "new": a.new, "max_num_seqs": a.max_num_seqs, "budget": a.budget, "device": str(jax.devices()[0])}
+           "new": a.new, "max_num_seqs": a.max_num_seqs, "budget": a.budget, "prefix_caching": engine.pool.prefix_caching,
+           "max_chunk": engine.scheduler.max_chunk, "device": str(jax.devices()[0])}
     rng = np.random.default_rng(0)
-    params_ = SamplingParams(temperature=0, max_tokens=a.new, ignore_eos=True)
 
     def run(n, prompt, new):
         p = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
@@ -69,7 +73,6 @@ def child(a):
     warm, *_ = run(a.max_num_seqs, a.prompt, 4)
     res["warmup_s"] = round(warm, 1)
     res["compiled_shapes_after_warmup"] = len(engine.runner.shapes)
-    del params_
     wall, t, times, tokens, step_s = run(a.requests, a.prompt, a.new)
     ttft = np.array([v[0] - t for v in times.values()])
     itl = np.concatenate([np.diff(v) for v in times.values() if len(v) > 1])
@@ -81,7 +84,8 @@ def child(a):
             "compiled_shapes": len(engine.runner.shapes), "preemptions": engine.stats()["preemptions"]}
     assert tokens == a.requests * a.new, tokens
     print(json.dumps(res), flush=True)
-    with open(os.path.join(a.out, f"serving_{name}.json"), "w") as f:
+    tag = "_nopc" if a.no_prefix_caching else ""
+    with open(os.path.join(a.out, f"serving_{name}{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 
@@ -96,6 +100,7 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--timeout", type=int, default=280)
+    ap.add_argument("--no-prefix-caching", action="store_true")
     a = ap.parse_args()
     if a.child:
         return child(a)
@@ -103,7 +108,7 @@ def main():
     for stage in a.stages.split(","):
         args = [sys.executable, __file__, "--child", stage, "--out", a.out, "--requests", str(a.requests),
                 "--prompt", str(a.prompt), "--new", str(a.new), "--max-num-seqs", str(a.max_num_seqs),
-                "--budget", str(a.budget)]
+                "--budget", str(a.budget)] + ["--no-prefix-caching"] * a.no_prefix_caching
         if stage == "tiny":
             args[args.index("--requests") + 1] = "16"
         try:
