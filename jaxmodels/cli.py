@@ -1,9 +1,11 @@
-"""The `jaxmodels` command: convert, export, inspect, generate."""
+"""The `jaxmodels` command: convert, export, inspect, generate, serve."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import socket
 import sys
 import traceback
 from pathlib import Path
@@ -140,6 +142,39 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    from serving.engine import Engine, EngineConfig
+
+    try:  # bad values fail here, before the model loads
+        config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                              kv_blocks=args.kv_blocks, block_size=args.block_size,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              enable_prefix_caching=args.prefix_caching)
+    except ValueError as e:  # "max_num_seqs must be ..." -> "--max-num-seqs must be ..."
+        field, rest = str(e).split(" ", 1)
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+    # Bind now: a port in use is one line before minutes of loading, not an error after.
+    sock = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    import uvicorn
+
+    import jaxmodels as jm
+    from serving.api import build_app
+
+    logging.getLogger("jaxmodels").setLevel(logging.INFO)
+    engine = Engine(jm.load(args.model, dtype=args.dtype), config)
+    name = args.served_model_name or Path(args.model).resolve().name
+    app = build_app(engine, name, api_key=args.api_key, max_waiting=args.max_waiting)
+    host, port = sock.getsockname()[:2]
+    print(f"serving {name!r} on http://{host}:{port}/v1" + (" (API key required)" if args.api_key else ""),
+          file=sys.stderr, flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)).run(sockets=[sock])
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxmodels", description="Open LLMs as pure JAX functions.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -196,7 +231,28 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num-processes", type=int, help="multi-host: number of processes")
     g.add_argument("--process-id", type=int, help="multi-host: this process's index")
     g.set_defaults(fn=_generate)
-    for command in (c, e, i, g):
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                     "/v1/chat/completions, /v1/models, /health, /metrics)")
+    s.add_argument("--model", required=True, help="converted directory or source checkpoint")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", help="the name clients pass as `model` (default: the model directory's)")
+    s.add_argument("--api-key", default=os.environ.get("JAXMODELS_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $JAXMODELS_API_KEY; none: open)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched together (default: 64)")
+    s.add_argument("--max-model-len", type=int, help="prompt + output tokens per sequence (default: the model's, "
+                                                     "at most 8192)")
+    s.add_argument("--kv-blocks", type=int, help="KV-cache blocks per pool (default: from free device memory)")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (default: 512)")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests queued beyond --max-num-seqs before new ones get 429 (default: 1024)")
+    s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the KV cache of common prompt prefixes")
+    s.add_argument("--dtype", choices=DTYPES, help="cast parameters after loading")
+    s.set_defaults(fn=_serve)
+    for command in (c, e, i, g, s):
         command.add_argument("--debug", action="store_true", help="show the full trace of an error")
     return p
 

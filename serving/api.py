@@ -137,6 +137,8 @@ class EngineLoop:
     # ---------------------------------------------------------------------- the asyncio side
     async def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> Job:
         """Queue (request id, prompt ids, params) as one job: all accepted, or ValueError from the engine and none."""
+        if self._stopping or not self.alive:  # nobody would take the command
+            raise ServerStopping()
         with self._lock:
             if self.pending + len(requests) > self.capacity:
                 raise APIError(429, f"the server is at capacity ({self.capacity} requests in flight); retry later",
@@ -160,20 +162,18 @@ class EngineLoop:
     # ---------------------------------------------------------------------- the engine thread
     def _run(self) -> None:
         while not self._stopping:
-            self._take_commands()
-            if not self.engine.has_work():
-                self.stats = self.engine.stats()
-                self._wake.wait()
-                self._wake.clear()  # then take_commands sees whatever set it
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - whatever breaks, fail the requests it held and go on
+                self._take_commands()
+                if not self.engine.has_work():
+                    self.stats = self.engine.stats()
+                    self._wake.wait()
+                    self._wake.clear()  # then take_commands sees whatever set it
+                    continue
+                self._deliver(self.engine.step())
+                self.stats = self.engine.stats()
+            except Exception as e:  # noqa: BLE001 - whatever breaks, fail the requests in flight and go on
                 log.exception("engine step failed; failing the %d requests in flight", len(self._jobs))
                 self._fail(list(self._jobs), EngineError(f"the engine failed: {type(e).__name__}: {e}"))
-                continue
-            self._deliver(outputs)
-            self.stats = self.engine.stats()
         self._fail(list(self._jobs), ServerStopping())
         while True:  # adds that came too late
             try:
@@ -275,6 +275,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class _Sampling(BaseModel):
     """What completions and chat share: OpenAI's sampling fields, then vLLM's extras."""
 
@@ -283,7 +287,7 @@ class _Sampling(BaseModel):
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False, description="0: greedy (default 1)")
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, description="reproducible sampling (taken modulo 2**32)")
-    stop: str | list[str] | None = Field(None, description="the text ends before the first of these")
+    stop: Text | list[Text] | None = Field(None, description="the text ends before the first of these")
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     stream: bool = False
@@ -298,7 +302,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(description="text or token ids, or a batch of either")
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(
+        min_length=1)] = Field(description="text or token ids, or a batch of either")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
 
@@ -322,14 +327,16 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
-def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None, names: dict) -> SamplingParams:
+def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None, names: dict,
+              vocab: int) -> SamplingParams:
     """SamplingParams of a body; its ValueError (which starts with the field's name) as a 400 naming the field."""
     def given(value, default):
         return default if value is None else value
     try:
         return SamplingParams(
             n=body.n, temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
-            top_k=given(body.top_k, 0), min_p=given(body.min_p, 0.0),
+            # top_k >= vocab keeps every token, as 0 does; the runner's int32 cannot hold any int (e.g. 2**31)
+            top_k=min(given(body.top_k, 0), vocab), min_p=given(body.min_p, 0.0),
             seed=None if body.seed is None else body.seed % 2**32, max_tokens=max_tokens,
             stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=logprobs,
@@ -448,9 +455,9 @@ class _Server:
     # ---------------------------------------------------------------------------- endpoints
     async def completion(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
-        params = _sampling(body, body.max_tokens, body.logprobs, {})
-        batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
-        prompts = body.prompt if batch else [body.prompt]  # [] is one prompt without tokens: the engine says so
+        params = _sampling(body, body.max_tokens, body.logprobs, {}, self.engine.model.config.vocab_size)
+        batch = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
+        prompts = body.prompt if batch else [body.prompt]
         try:
             ids = await run_in_threadpool(lambda: [prompt_ids(p, self.tokenizer) for p in prompts])
         except ValueError as e:
@@ -465,7 +472,8 @@ class _Server:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                            {"logprobs": "top_logprobs",
-                            "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"})
+                            "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"},
+                           self.engine.model.config.vocab_size)
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role,  # HF templates know no "developer"
@@ -504,7 +512,7 @@ class _Server:
             events = self._stream(job, kind, index, prompts, head, usage, want_logprobs)
             return _SSE(events, functools.partial(self.runner.abort, job))
         try:
-            choices = await self._collect(job, len(subs), request)
+            choices = await self._collect(job, index, request)
         except (EngineError, ServerStopping) as e:
             raise _server_error(e) from None
         finally:
@@ -515,8 +523,9 @@ class _Server:
                                                              enumerate(choices)],
                 "usage": _usage(prompts, sum(c.tokens for c in choices))}
 
-    async def _collect(self, job: Job, n: int, request: Request) -> list[_Choice] | None:
-        choices, index = [_Choice() for _ in range(n)], {rid: i for i, rid in enumerate(job.rids)}
+    async def _collect(self, job: Job, index: dict, request: Request) -> list[_Choice] | None:
+        """The choices, once all have finished; None if the client leaves first."""
+        choices = [_Choice() for _ in index]
 
         async def collect():
             async for outs in job:
@@ -579,7 +588,8 @@ def _param(loc: tuple) -> str | None:
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    err = max(exc.errors(), key=lambda e: len(e["loc"]))  # of a union's branches, the one that got furthest
+    # of a union's branches, the one that got furthest: deepest, and past the type check
+    err = max(exc.errors(), key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
     if err["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}").response()
     param = _param(tuple(err["loc"]))

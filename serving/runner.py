@@ -106,7 +106,7 @@ def _filter(x, top_k, top_p, min_p):
     return jnp.where(x < jnp.take_along_axis(desc, (keep - 1)[:, None], axis=1), -jnp.inf, x)
 
 
-def _sample(logits, counts, rows, s, *, sampled: bool, penalized: bool, top_n: int):
+def _sample(logits, counts, rows, s, *, sampled: bool, filtered: bool, penalized: bool, top_n: int):
     """Next tokens [B] with per-row parameters s (arrays [B]); logprobs of the model's distribution."""
     raw = logits
     if penalized:
@@ -115,7 +115,9 @@ def _sample(logits, counts, rows, s, *, sampled: bool, penalized: bool, top_n: i
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if sampled:
         hot = s["temperature"] > 0
-        x = _filter(logits / jnp.where(hot, s["temperature"], 1.0)[:, None], s["top_k"], s["top_p"], s["min_p"])
+        x = logits / jnp.where(hot, s["temperature"], 1.0)[:, None]
+        if filtered:  # two sorts of the vocabulary: only when a row asks for top-k / top-p / min-p
+            x = _filter(x, s["top_k"], s["top_p"], s["min_p"])
         keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(s["seed"], s["index"])
         drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
         tok = jnp.where(hot, drawn, tok)
@@ -127,9 +129,10 @@ def _sample(logits, counts, rows, s, *, sampled: bool, penalized: bool, top_n: i
     return tok, chosen, top[1], top[0], counts
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "how", "sampled", "penalized", "top_n"),
+@functools.partial(jax.jit, static_argnames=("cfg", "how", "sampled", "filtered", "penalized", "top_n"),
                    donate_argnames=("cache", "counts"), compiler_options=M.COMPILER_OPTIONS)
-def step(params, cache, counts, rows, tables, tokens, start, lengths, s, *, cfg, how, sampled, penalized, top_n):
+def step(params, cache, counts, rows, tables, tokens, start, lengths, s, *, cfg, how, sampled, penalized, top_n,
+         filtered=True):
     """Run rows [P] of the cache: tokens [P, T] (right-padded chunks of `lengths`, after `start` cached
     positions; decode: T = 1, start = its position) -> (cache, next token [P], its logprob [P],
     top ids [P, n], top logprobs [P, n], counts)."""
@@ -141,7 +144,8 @@ def step(params, cache, counts, rows, tables, tokens, start, lengths, s, *, cfg,
     else:  # prefill from position 0 (models without extend)
         logits, sub = M.prefill(params, cfg, tokens, jnp.maximum(lengths, 1), sub)
     cache = _merge(cache, sub, rows)
-    return (cache, *_sample(logits, counts, rows, s, sampled=sampled, penalized=penalized, top_n=top_n))
+    return (cache, *_sample(logits, counts, rows, s, sampled=sampled, filtered=filtered, penalized=penalized,
+                            top_n=top_n))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -202,16 +206,18 @@ class Runner:
             for t, e in zip(tables, r.blocks.entries):
                 t[i] = e
             p = r.params
-            s["temperature"][i], s["top_k"][i], s["top_p"][i], s["min_p"][i] = p.temperature, max(p.top_k, 0), \
-                p.top_p, p.min_p
+            s["temperature"][i], s["top_k"][i], s["top_p"][i], s["min_p"][i] = \
+                p.temperature, min(max(p.top_k, 0), self.cfg.vocab_size), p.top_p, p.min_p
             s["seed"][i], s["index"][i] = r.seed, r.generated
             s["presence"][i], s["frequency"][i] = p.presence_penalty, p.frequency_penalty
             s["emit"][i] = a + n == len(r.tokens)
         sampled = any(not r.params.greedy for r, _, _ in pieces)
+        filtered = any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0)
+                       for r, _, _ in pieces)
         penalized = any(r.params.penalized for r, _, _ in pieces)
         want = max((r.params.logprobs or 0 for r, _, _ in pieces), default=0)
         top_n = 0 if want == 0 else MAX_LOGPROBS if want > 5 else 5
-        key = (how, P, T, sampled, penalized, top_n)
+        key = (how, P, T, sampled, filtered, penalized, top_n)
         if key not in self.shapes:
             self.shapes.add(key)
             log.info("compiling step %s: %d rows x %d tokens (sampled=%s, penalties=%s, top_logprobs=%d); "
@@ -219,7 +225,7 @@ class Runner:
         if penalized and self.counts.shape[0] != self.rows:
             self.counts = jnp.zeros((self.rows, self.cfg.vocab_size), jnp.int32)
         out = step(self.model.params, self.cache, self.counts, rows, tuple(tables), tokens, start, lengths, s,
-                   cfg=self.cfg, how=how, sampled=sampled, penalized=penalized, top_n=top_n)
+                   cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=penalized, top_n=top_n)
         self.cache, tok, chosen, top_ids, top_lp, self.counts = out
         tok, chosen, top_ids, top_lp = map(np.asarray, (tok, chosen, top_ids, top_lp))
         return [(int(tok[i]), float(chosen[i]), top_ids[i], top_lp[i]) for i in range(len(pieces))]
