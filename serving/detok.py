@@ -11,11 +11,14 @@ REPLACEMENT = "\ufffd"
 
 
 class Detokenizer:
+    CONTEXT = 5  # prompt tokens decoded before the output, so its first token keeps its leading space
+
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: tuple[str, ...] = (),
-                 include_stop: bool = False):
+                 include_stop: bool = False, context: list[int] = ()):
         self.tok, self.skip, self.stop, self.include_stop = tokenizer, skip_special_tokens, stop, include_stop
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] is context already turned into text
+        self.ids: list[int] = list(context[-self.CONTEXT:]) if self.CONTEXT else []
+        self.context = len(self.ids)
+        self.prefix, self.read = 0, self.context  # ids[prefix:read] is context already turned into text
         self.text = ""  # all text so far (cut at a stop string once one appears)
         self.sent = 0  # characters of `text` already returned
         self.stopped = False
@@ -53,7 +56,10 @@ class Detokenizer:
         """The rest of the text once the request ends: the whole output decoded at once, so that the streamed
         pieces add up to what a single decode gives."""
         if self.tok is not None and not self.stopped:
+            ctx = self.tok.decode(self.ids[:self.context], skip_special_tokens=self.skip)
             full = self.tok.decode(self.ids, skip_special_tokens=self.skip)
+            full = full[len(ctx):] if full.startswith(ctx) else self.tok.decode(self.ids[self.context:],
+                                                                                skip_special_tokens=self.skip)
             if full.startswith(self.text[: self.sent]):
                 self.text = ""
                 self._append(full)

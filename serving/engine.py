@@ -123,7 +123,7 @@ class Engine:
         eos = frozenset() if params.ignore_eos else self.eos
         req = Request(request_id, [int(t) for t in prompt], params, eos | frozenset(params.stop_token_ids), seed)
         req.detok = Detokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
-                                params.include_stop_str_in_output)
+                                params.include_stop_str_in_output, context=req.prompt)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -195,12 +195,13 @@ class Engine:
         elif req.finish_reason is None and (len(req.output) >= (p.max_tokens or self.max_model_len)
                                             or len(req.tokens) >= self.max_model_len):
             req.finish_reason = "length"
+        self.pool.register(req.blocks, req.tokens, req.computed)  # finished too: its prompt serves the next one
         if req.finished:
             text += req.detok.finish()
+            if req.detok.stopped:  # a stop string the whole-output decode found
+                req.finish_reason = "stop"
             self.scheduler.finish(req)
             self.requests.pop(req.id, None)
-        else:
-            self.pool.register(req.blocks, req.tokens, req.computed)
         return StepOutput(req.id, new, text, req.finished, req.finish_reason, lps)
 
     # -------------------------------------------------------------------------------------------- metrics

@@ -175,16 +175,19 @@ class KVPool:
                 elif self.spaces[g.space].refs[b] > 1 or b in self.spaces[g.space].digest:
                     plan.append((gi, e, int(b)))  # shared or cached: write a private copy
         need = [0] * len(self.spaces)
-        for gi, _, _ in plan:
-            need[self.groups[gi].space] += 1
+        for gi, _, src in plan:
+            g = self.groups[gi]
+            # a copy of a block only this sequence holds frees that block (to the cached LRU) as it takes one
+            need[g.space] += 0 if src >= 0 and self.spaces[g.space].refs[src] == 1 else 1
         if any(n > sp.available for n, sp in zip(need, self.spaces)):
             raise OutOfBlocks(need)
         for gi, e, src in plan:
             g = self.groups[gi]
-            b = self._take(g.space)
             if src >= 0:
-                self.pending_copies.append((g.space, src, b))
                 self._unref(g.space, src)
+            b = self._take(g.space)
+            if src >= 0 and b != src:  # b == src: the source was evicted to make room, nothing left to keep
+                self.pending_copies.append((g.space, src, b))
             seq.entries[gi][e] = b
 
     def register(self, seq: SeqBlocks, tokens: list[int], computed: int) -> None:

@@ -103,7 +103,8 @@ def _filter(x, top_k, top_p, min_p):
     desc = -jnp.sort(-x, axis=-1)
     p = jax.nn.softmax(desc, axis=-1)
     keep = jnp.maximum(jnp.sum(jnp.cumsum(p, axis=-1) - p < top_p[:, None], axis=-1), 1)  # mass before < top_p
-    return jnp.where(x < jnp.take_along_axis(desc, (keep - 1)[:, None], axis=1), -jnp.inf, x)
+    cut = x < jnp.take_along_axis(desc, (keep - 1)[:, None], axis=1)
+    return jnp.where(cut & (top_p[:, None] < 1), -jnp.inf, x)  # top_p = 1: off (a rounded cumsum would cut a tail)
 
 
 def _sample(logits, counts, rows, s, *, sampled: bool, filtered: bool, penalized: bool, top_n: int):

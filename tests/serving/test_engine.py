@@ -189,3 +189,28 @@ def test_compiled_shapes_stay_bounded():
     # 4 rows (the minimum bucket of 8, capped at max_num_seqs) x chunks of 16, 32 or 64 tokens, and decode
     assert {(how, P, T) for how, P, T, *_ in engine.runner.shapes} <= {("extend", 4, 16), ("extend", 4, 32),
                                                                        ("extend", 4, 64), ("decode", 4, 1)}, engine.runner.shapes
+
+
+def test_a_pool_of_one_sequence_never_stalls_on_copy_on_write():
+    """Sliding and full groups in one space (GPT-OSS), a pool of exactly one sequence's blocks: wrapping onto a
+    cached ring block trades it for its copy, so a lone sequence always finds its next block."""
+    from serving.kv_pool import Group, KVPool
+
+    groups = [Group((8, 1), 2, 8, 0, True, True), Group((None, 1), 4, 16, 0, False, True)]
+    pool = KVPool(groups, blocks=6, block_size=4)
+    seq, tokens = pool.new(), list(range(16))
+    for pos in range(16):
+        pool.allocate(seq, pos, pos + 1)
+        pool.register(seq, tokens, pos + 1)
+    assert pool.take_copies(), "the wrap should have copied the cached ring blocks"
+    pool.release(seq)
+    assert pool.used(0) == 0
+
+
+def test_a_finished_request_leaves_its_prompt_cached():
+    model = _model("llama")
+    prompt = _prompts(model.config.vocab_size)[1]
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, kv_blocks=160, block_size=4))
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    assert _run(engine, [prompt], one) == _run(engine, [prompt], one)
+    assert engine.stats()["cached_prompt_tokens"] == (len(prompt) - 1) // 4 * 4
