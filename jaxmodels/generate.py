@@ -125,9 +125,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
     lengths = np.asarray([len(p) for p in ids], np.int32)  # host arrays: created inside no one's context mesh
-    eos = set() if ignore_eos else set(cfg.eos_token_ids)
-    if tok is not None and tok.eos_id is not None and not ignore_eos:
-        eos.add(tok.eos_id)
+    eos = set() if ignore_eos else eos_ids(cfg, tok)
     t0 = time.perf_counter()
     with sharding.entered(model.sharding):
         out, steps = _generate(model.params, tokens, lengths, np.asarray(jax.random.PRNGKey(seed)),
@@ -141,6 +139,14 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     if texts is not None and stops:
         texts = [_cut_text(t, [s for s, _ in stops if s is not None]) for t in texts]
     return GenerateOutput(results, texts, ids, seconds)
+
+
+def eos_ids(cfg, tokenizer) -> set[int]:
+    """The ids that end a continuation: the config's EOS ids and the tokenizer's."""
+    eos = set(cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_id is not None:
+        eos.add(tokenizer.eos_id)
+    return eos
 
 
 def _ids(what: str, seq, vocab: int) -> list[int]:

@@ -15,8 +15,10 @@ import random
 import time
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
+from jaxmodels.generate import eos_ids
 from serving import runner as R
 from serving.detok import Detokenizer
 from serving.kv_pool import KVPool
@@ -81,10 +83,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    chunked)
         self.requests: dict[str, Request] = {}
-        eos = set(cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_id is not None:
-            eos.add(self.tokenizer.eos_id)
-        self.eos = frozenset(eos)
+        self.eos = frozenset(eos_ids(cfg, self.tokenizer))
         self.blocks, self.steps = blocks, 0
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_prompt_tokens": 0}
         self.history: list[dict] = []  # per step, when `record` is on: who ran, how many tokens, blocks used
@@ -93,8 +92,6 @@ class Engine:
                  ", ".join(f"{g.name}: pool {g.space}" for g in groups), config.max_num_seqs, self.max_model_len)
 
     def _size(self, per_block: list[int], need: list[int]) -> int:
-        import jax
-
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
             return self.config.max_num_seqs * max(need)

@@ -32,8 +32,8 @@ def bucket(n: int, minimum: int = 1, cap: int | None = None) -> int:
 def groups_of(cfg, max_len: int, block_size: int, dtype) -> tuple[list[Group], Cache, list[int], bool]:
     """The table groups, an abstract paged cache (layout, buffer shapes), each buffer's space, and whether the
     model keeps per-sequence state (no prefix caching then)."""
-    keys = list(kv.table_groups(cfg, max_len, block_size))
-    tables = {k: np.full((1, nb), -1, np.int32) for k, nb in kv.table_groups(cfg, max_len, block_size).items()}
+    tables = _no_tables(cfg, 1, max_len, block_size)
+    keys = list(tables)
     abstract = jax.eval_shape(lambda: M.init_cache(cfg, 1, max_len, dtype, block_size, tables))
     parent = list(range(len(keys)))  # union-find over groups that share a buffer
 
@@ -52,7 +52,7 @@ def groups_of(cfg, max_len: int, block_size: int, dtype) -> tuple[list[Group], C
             parent[root(t)] = root(ts[0])
     roots = sorted({root(t) for t in range(len(keys))})
     space = [roots.index(root(t)) for t in range(len(keys))]
-    stateful = any(abstract.state[k] for k in range(len(abstract.state))) or bool(abstract.extra)
+    stateful = any(abstract.state) or bool(abstract.extra)  # any kind's state dict, or model-level state
     groups = []
     for t, key in enumerate(keys):
         window, per = key
@@ -62,6 +62,11 @@ def groups_of(cfg, max_len: int, block_size: int, dtype) -> tuple[list[Group], C
         groups.append(Group(key, -(-slots // block_size), slots, space[t], ring, cacheable))
     buffer_space = [space[min(users[b])] for b in range(len(abstract.buffers))]
     return groups, abstract, buffer_space, stateful
+
+
+def _no_tables(cfg, rows: int, max_len: int, block_size: int) -> dict:
+    """Every table group's block table, all entries unallocated: a paged cache of 0 blocks."""
+    return {k: np.full((rows, nb), -1, np.int32) for k, nb in kv.table_groups(cfg, max_len, block_size).items()}
 
 
 def block_bytes(abstract: Cache, buffer_space: list[int]) -> list[int]:
@@ -75,8 +80,7 @@ def block_bytes(abstract: Cache, buffer_space: list[int]) -> list[int]:
 def allocate(cfg, abstract: Cache, buffer_space: list[int], blocks: int, rows: int, max_len: int, dtype,
              block_size: int) -> Cache:
     """The engine's cache: every buffer with `blocks` blocks, per-sequence state for `rows` rows."""
-    tables = {k: np.full((rows, nb), -1, np.int32) for k, nb in kv.table_groups(cfg, max_len, block_size).items()}
-    empty = M.init_cache(cfg, rows, max_len, dtype, block_size, tables)  # pools of 0 blocks + the state
+    empty = M.init_cache(cfg, rows, max_len, dtype, block_size, _no_tables(cfg, rows, max_len, block_size))
     buffers = tuple(jnp.zeros((b.shape[0], blocks, *b.shape[2:]), b.dtype) for b in abstract.buffers)
     return Cache(buffers, (), empty.state, empty.extra, empty.layout)
 
