@@ -2,12 +2,13 @@
 Hugging Face (converters/hf_export.py)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from converters.hf import assemble, import_sharded, stream
+from converters.hf import PREFIXES, assemble, import_sharded, normalize, stream
 from converters.quant import MXFP4Reader
 from converters.safetensors_io import INDEX, CheckpointError, SafetensorsReader, TorchReader
 from jaxmodels import families, files
@@ -37,7 +38,11 @@ def open_source(src: str | Path):
         hf = files.read_json(config, files.MAX_METADATA_BYTES)
         has_st = any(root.glob("*.safetensors")) or (root / INDEX).exists()
         reader, tok = MXFP4Reader(SafetensorsReader(root) if has_st else TorchReader(src)), Tokenizer.from_dir(root)
-    return families.config_from_hf(hf), reader, families.get(families.model_type(hf)), tok
+    cfg, fam = families.config_from_hf(hf), families.get(families.model_type(hf))
+    if fam.untie and cfg.tie_embeddings and "lm_head.weight" in {normalize(k, fam.renames or PREFIXES)
+                                                                 for k in reader.keys()}:
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
+    return cfg, reader, fam, tok
 
 
 def _plan_kw(fam) -> dict:

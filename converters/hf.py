@@ -29,9 +29,7 @@ def np_dtype(name: str):
         raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
 
 
-# Multimodal and v5 wrappers put the text model under another prefix (specs/hf_families.md §5).
-PREFIXES = ((r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
-            (r"^language_model\.lm_head\.", "lm_head."))
+PREFIXES = _common.PREFIXES
 
 
 def normalize(name: str, renames=PREFIXES) -> str:
@@ -47,14 +45,15 @@ class Quantized(dict):
 
 
 def _compile(names: dict) -> list[tuple[re.Pattern, list[tuple[str, str]], bool, bool]]:
-    """(regex, [(param path, transform), ...], has layer index, has expert index) per name-map entry.
+    """(regex, [(param path, transform), ...], has layer index, has slot index) per name-map entry.
     One checkpoint tensor may feed several parameters (e.g. GPT-OSS's interleaved gate/up); a path may name
-    the pattern's groups ("attn/{x}")."""
+    the pattern's groups ("attn/{x}"). A slot index indexes the parameter's next stacked axis: "{e}" an expert,
+    "{v}" a layer of a stack outside the decoder (the vision tower's `vision/layers/...`)."""
     out = []
     for pattern, targets in names.items():
         targets = [targets] if isinstance(targets[0], str) else list(targets)
-        rx = pattern.replace("{i}", r"(?P<i>\d+)").replace("{e}", r"(?P<e>\d+)")
-        out.append((re.compile(rx + r"\Z"), targets, "{i}" in pattern, "{e}" in pattern))
+        rx = pattern.replace("{i}", r"(?P<i>\d+)").replace("{e}", r"(?P<e>\d+)").replace("{v}", r"(?P<e>\d+)")
+        out.append((re.compile(rx + r"\Z"), targets, "{i}" in pattern, "{e}" in pattern or "{v}" in pattern))
     return out
 
 
@@ -121,7 +120,8 @@ def plan_import(reader, cfg: ModelConfig, names: dict, skip: tuple[str, ...] = (
                                       f"parameter {where}")
             s = specs[path]
             if per_expert and index[-1] >= s.shape[len(index) - 1]:
-                raise CheckpointError(f"unexpected tensor {name!r}: expert {index[-1]} of {s.shape[len(index) - 1]}")
+                slot = "expert" if s.axes[len(index) - 1] == "experts" else "layer"
+                raise CheckpointError(f"unexpected tensor {name!r}: {slot} {index[-1]} of {s.shape[len(index) - 1]}")
             want = s.shape[len(index):]
             src_shape, _ = _transform(transform)
             got = tuple(reader.shape(name))
@@ -344,7 +344,7 @@ def _missing(filled, path, rank, spec) -> list[tuple[str, int | None, int | None
     base = () if rank is None else (rank,)
     if (path, base) in filled:
         return []
-    per_expert = "experts" in spec.axes[len(base):len(base) + 1]
+    per_expert = spec.axes[len(base):len(base) + 1] in (("experts",), ("layers",))  # filled slot by slot
     gaps = [e for e in range(spec.shape[len(base)]) if (path, (*base, e)) not in filled] if per_expert else [None]
     return [] if not gaps else [(path, rank, None)] if len(gaps) == spec.shape[len(base)] else \
         [(path, rank, e) for e in gaps]
@@ -363,10 +363,12 @@ def _describe(missing, pl, names) -> str:
                    and rel in ([t[0]] if isinstance(t[0], str) else [x[0] for x in t])]
         source = next((pat for pat in sources if ("{e}" in pat) == (moe and rel.startswith("mlp/w_"))),
                       sources[0] if sources else None)
-        where = (rel if layer is None else f"layer {layer}: {rel}") + ("" if expert is None else f", expert {expert}")
+        slot = "expert" if layer is not None else "layer"
+        where = (rel if layer is None else f"layer {layer}: {rel}") + ("" if expert is None else f", {slot} {expert}")
         if source is None:
             out.append(where)
         else:
             e = "*" if expert is None else str(expert)
-            out.append(f"{source.replace(chr(92), '').replace('{i}', str(layer)).replace('{e}', e)} ({where})")
+            out.append(f"{source.replace(chr(92), '').replace('{i}', str(layer)).replace('{e}', e).replace('{v}', e)}"
+                       f" ({where})")
     return ", ".join(out)

@@ -144,6 +144,7 @@ def plan_export(cfg: ModelConfig, params: dict | None = None, dtype: str | None 
     the parameter slices plan_import would fill from it. Raises NotImplementedError for a family without an export
     (DeepSeek V4), ValueError if the names would not import back exactly. params: their dtypes decide the tensors'
     (else the float32 plan); dtype: floating parameters cast to it (those the plan keeps fp32 stay)."""
+    cfg, params = text_part(cfg, params)
     exp = _export_of(cfg)
     fam = families.get(exp.model_type)
     names = families.name_map(fam, cfg)
@@ -443,8 +444,8 @@ def _exaone4(cfg: ModelConfig) -> dict:
     return _dense(cfg) | {"sliding_window": _window(cfg, 4096 if nope else None), "layer_types": _layer_types(cfg)}
 
 
-# ModelConfig.family -> what its export writes. Multimodal checkpoints (gemma3, exaone4_5) come back as their text
-# model; GPT-OSS's original layout and MXFP4 experts as HF's unquantized layout.
+# ModelConfig.family -> what its export writes. Multimodal checkpoints (gemma3, exaone4_5, mistral3: `text_part`)
+# come back as their text model; GPT-OSS's original layout and MXFP4 experts as HF's unquantized layout.
 HF_EXPORTS = {
     "llama": HFExport("llama", "LlamaForCausalLM", _llama),
     "mistral": HFExport("mistral", "MistralForCausalLM", _mistral),
@@ -456,6 +457,15 @@ HF_EXPORTS = {
     "gpt_oss": HFExport("gpt_oss", "GptOssForCausalLM", _gpt_oss),
     "exaone4": HFExport("exaone4", "Exaone4ForCausalLM", _exaone4),
 }
+
+
+def text_part(cfg: ModelConfig, params: dict | None = None):
+    """A multimodal model as the text model its export writes: the vision tower left out (logged)."""
+    if cfg.vision is None:
+        return cfg, params
+    log.info("export writes the text model: the %s vision tower is left out", cfg.vision.kind)
+    cfg = dataclasses.replace(cfg, vision=None, family="mistral" if cfg.family == "mistral3" else cfg.family)
+    return cfg, None if params is None else {k: v for k, v in params.items() if k != "vision"}
 
 
 def _export_of(cfg: ModelConfig) -> HFExport:
@@ -561,6 +571,7 @@ def write(dst: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, dtype
     from jaxmodels import checkpoint
 
     max_bytes = shard_bytes(max_shard_size)
+    cfg, params = text_part(cfg, params)
     tensors = plan_export(cfg, params, dtype)
     dtypes = sorted({str(t.dtype) for t in tensors}, key=[str(t.dtype) for t in tensors].count)
     config = hf_config(cfg, dtype or dtypes[-1])

@@ -43,6 +43,7 @@ from converters.hf import Part
 from converters.safetensors_io import CheckpointError
 from jaxmodels.checkpoint import (CONFIG_FILE, FORMAT_VERSION, LEAF_SUFFIX, ST_DTYPES, ST_NAMES, leaf_header,
                                   read_into)
+from jaxmodels import multimodal
 from jaxmodels.config import ModelConfig
 from jaxmodels.plan import flatten
 
@@ -140,6 +141,8 @@ def write(dst: str | Path, cfg: ModelConfig, items_for, tokenizer=None, overwrit
             _write_all(tmp / "params", items_for(set(done)), journal, records)
         if tokenizer is not None:
             tokenizer.save(tmp)
+        if cfg.vision is not None and src is not None and (settings := multimodal.read_settings(src)) is not None:
+            (tmp / multimodal.SETTINGS_FILE).write_text(json.dumps(settings, indent=1))  # how images are fed
         leaves = _leaf_checksums(tmp / "params", records)
         dtypes = sorted({r[2] for r in records})
         dtypes = [str(np.dtype(ST_DTYPES[d])) for d in dtypes]

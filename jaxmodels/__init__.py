@@ -13,8 +13,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxmodels import checkpoint, model as _model, plan as _plan, sharding
+from jaxmodels import checkpoint, model as _model, multimodal, plan as _plan, sharding
+from jaxmodels.layers import vision as _vision
 from jaxmodels.config import AttentionSpec, LayerSpec, MLPSpec, ModelConfig, RopeSpec
 from jaxmodels.generate import GenerateOutput, generate
 from jaxmodels.tokenizer import Tokenizer
@@ -30,6 +32,7 @@ class Model:
     tokenizer: Tokenizer | None = None
     mesh: jax.sharding.Mesh | None = None  # params are placed on it by `rules` when set
     rules: str | dict = "tp"
+    preprocessor: dict | None = None  # a vision model's image processor settings (preprocessor_config.json)
 
     @property
     def dtype(self):
@@ -73,18 +76,25 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
             cfg, params, tok = read_source_sharded(path, mesh, rules, dtype or "float32")
     if dtype is not None:
         params = _model.cast(cfg, params, dtype)
-    return Model(cfg, params, tok, mesh, rules)
+    settings = multimodal.read_settings(path if path.is_dir() else path.parent) if cfg.vision is not None else None
+    return Model(cfg, params, tok, mesh, rules, settings)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3), compiler_options=_model.COMPILER_OPTIONS)
-def _forward(params, cfg, tokens, shard):
-    return _model.forward(params, cfg, tokens, shard=shard)
+@functools.partial(jax.jit, static_argnums=(1, 3, 5), compiler_options=_model.COMPILER_OPTIONS)
+def _forward(params, cfg, tokens, shard, images, static_images):
+    return _model.forward(params, cfg, tokens, shard=shard, images={**images, **dict(static_images)})
 
 
-def forward(model: Model, tokens) -> jax.Array:
-    """tokens int32 [B, T] -> float32 logits [B, T, vocab] (no cache)."""
+def forward(model: Model, tokens, **vision_inputs) -> jax.Array:
+    """tokens int32 [B, T] -> float32 logits [B, T, vocab] (no cache).
+
+    vision_inputs: a multimodal model's images as its HF processor returns them, by their HF names
+    (`pixel_values`, `image_sizes`, `image_grid_thw`, `token_type_ids`; `jaxmodels.images` makes them), whose
+    embeddings replace the prompt's image tokens."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    images, static = _vision.inputs(model.config, np.asarray(tokens), vision_inputs)
     with sharding.entered(model.sharding):
-        return _forward(model.params, model.config, jnp.asarray(tokens, jnp.int32), model.sharding)
+        return _forward(model.params, model.config, tokens, model.sharding, images, static)
 
 
 def __getattr__(name):  # the research modules (flax / optax / orbax), loaded on first use: jm.nnx, jm.train, jm.lora

@@ -120,11 +120,13 @@ def build(kind_specs, counts, batch: int, max_len: int, dtype, block_size: int =
     return Cache(buffers, table_arrays, tuple(state), extra, Layout(block_size, tuple(refs)))
 
 
-def init(cfg: ModelConfig, batch: int, max_len: int, dtype, block_size: int = 0, tables=None, constrain=None):
-    """The model's cache: every layer kind's specs (plan.cache_specs) and the model-level state."""
+def init(cfg: ModelConfig, batch: int, max_len: int, dtype, block_size: int = 0, tables=None, constrain=None,
+         cross_tokens: int = 0):
+    """The model's cache: every layer kind's specs (plan.cache_specs) and the model-level state. cross_tokens:
+    image-feature tokens a cross-attention layer keeps per sequence (Mllama; 0: a text-only cache)."""
     pl = plan(cfg)
-    return build([cache_specs(cfg, spec) for spec in pl.kinds], pl.counts, batch, max_len, dtype, block_size,
-                 tables, model_state_specs(cfg), constrain)
+    return build([cache_specs(cfg, spec, cross_tokens) for spec in pl.kinds], pl.counts, batch, max_len, dtype,
+                 block_size, tables, model_state_specs(cfg), constrain)
 
 
 def table_groups(cfg: ModelConfig, max_len: int, block_size: int) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -79,7 +80,27 @@ def describe(path: str | Path) -> dict:
             "parameters": n, "bytes": n * width if width else None,
             "scan": f"{_runs(pl, pl.runs)} ({pl.bodies()} layer bodies traced)" + (
                 f", {cfg.numerics} numerics" if cfg.numerics != "plain" else ""),
-            "kinds": kinds}
+            "kinds": kinds, "vision": _vision(cfg)}
+
+
+def _vision(cfg) -> dict | None:
+    """The vision tower of a multimodal model, in the words of its spec."""
+    from jaxmodels import plan
+
+    v = cfg.vision
+    if v is None:
+        return None
+    tower = {"siglip": "SigLIP, avg-pool projector", "pixtral": "Pixtral (2-D RoPE, any size), patch merger",
+             "window_vit": "windowed ViT, patch merger",
+             "mllama": f"tiled encoder + {v.global_layers} gated global layers, read by cross-attention layers "
+                       f"{[i for i, s in enumerate(cfg.layers) if s.attention.kind == 'cross']}"}[v.kind]
+    size = {"siglip": f"{v.image_size}px -> {v.tokens_per_image} tokens", "pixtral": f"longest edge {v.image_size}px",
+            "window_vit": f"windows of {v.window_size}px, full blocks {list(v.full_blocks)}",
+            "mllama": f"up to {v.max_tiles} tiles of {v.image_size}px"}[v.kind]
+    return {"kind": v.kind, "tower": tower, "layers": v.num_layers, "hidden": v.hidden_size, "heads": v.num_heads,
+            "kv_heads": v.num_kv_heads or v.num_heads, "intermediate": v.intermediate_size, "patch": v.patch_size,
+            "merge": v.merge_size, "images": size, "image_token_id": v.image_token_id, "activation": v.activation,
+            "parameters": sum(math.prod(s.shape) for s in plan.flatten(plan.param_specs(cfg)["vision"]).values())}
 
 
 def _runs(pl, runs) -> str:
@@ -103,6 +124,10 @@ def _inspect(args) -> int:
         print(f"  kind {k['kind']} ({len(ls)} layers: {_ranges(ls)}): attention {k['attention']}, rope {k['rope']}, "
               f"qk-norm {k['qk_norm']}, bias {k['bias']}, sinks {k['sinks']}; mlp {k['mlp']}; "
               f"block {k['block']}, norm {k['norm']}")
+    if v := info["vision"]:
+        print(f"  vision: {v['tower']}; {v['layers']} layers, hidden {v['hidden']}, {v['heads']} heads / "
+              f"{v['kv_heads']} kv, mlp {v['activation']} I={v['intermediate']}, patch {v['patch']}, merge "
+              f"{v['merge']}; {v['images']}; image token {v['image_token_id']}; {v['parameters']:,} parameters")
     return 0
 
 
@@ -127,6 +152,11 @@ def _generate(args) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               min_p=args.min_p, seed=args.seed, stop=args.stop or None, chat=args.chat,
               unroll=True if args.unroll else 1)
+    if args.image:  # read once; every prompt sees them
+        from jaxmodels import images
+
+        pictures = [images.load_image(p, f"--image {p}") for p in args.image]
+        kw["images"] = [pictures] * len(args.prompt)
     out = jm.generate(model, list(args.prompt), **kw)
     # The first call includes compilation; a second, compiled run gives the tokens/s.
     warm = jm.generate(model, list(args.prompt), **kw) if args.timing else None
@@ -210,6 +240,9 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text")
     g.add_argument("--model", required=True, help="converted directory or source checkpoint")
     g.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
+    g.add_argument("--image", action="append", metavar="PATH",
+                   help="an image every prompt sees (repeatable; vision models); a prompt without the family's "
+                        "placeholder gets the images in front of its text")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int)

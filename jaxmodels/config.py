@@ -130,7 +130,8 @@ class MLASpec:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    kind: str = "gqa"  # gqa (grouped-query attention, incl. MHA/MQA) | mla (DeepSeek V4, see `mla`)
+    kind: str = "gqa"  # gqa (grouped-query attention, incl. MHA/MQA) | mla (DeepSeek V4, see `mla`) | cross
+    #                    (Mllama: queries from the text, keys and values from the image features; no RoPE)
     window: int | None = None  # sliding window W: the query and W-1 earlier keys; None = full causal
     rope: RopeSpec | None = field(default_factory=RopeSpec)  # None = NoPE
     qk_norm: str | None = None  # None | a norm kind (see NORM_KINDS), applied per head before RoPE
@@ -143,7 +144,7 @@ class AttentionSpec:
     mla: MLASpec | None = None
 
     def __post_init__(self):
-        _one_of("AttentionSpec", "kind", self.kind, ("gqa", "mla"))
+        _one_of("AttentionSpec", "kind", self.kind, ("gqa", "mla", "cross"))
         if (self.kind == "mla") != (self.mla is not None):
             raise ValueError("AttentionSpec: kind='mla' needs an MLASpec (and only it)")
 
@@ -243,6 +244,92 @@ class MTPSpec:
         _one_of("MTPSpec", "kind", self.kind, ("classic", "dspark"))
 
 
+VISION_KINDS = ("siglip", "pixtral", "window_vit", "mllama")
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision tower and its projector (specs/vision.md): images become `image_token_id` embeddings of the decoder.
+
+    kind: siglip (Gemma3: SigLIP, avg-pool projector, each image's soft tokens attend to each other in prefill) |
+    pixtral (Mistral3: Pixtral with 2-D RoPE, images of any size, 2x2 patch merger) | window_vit (EXAONE 4.5:
+    Qwen2.5-VL's windowed ViT with GQA, 2x2 merger) | mllama (Llama 3.2 Vision: a tiled encoder whose features the
+    decoder's cross-attention layers read). Sizes are the tower's; the projector maps to the decoder's
+    hidden size."""
+
+    kind: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    image_token_id: int
+    image_size: int = 0  # siglip: the input side; pixtral: the longest edge; window_vit: unused (any size)
+    activation: str = "gelu_tanh"
+    norm_eps: float = 1e-6
+    num_kv_heads: int = 0  # window_vit: GQA (0: num_heads)
+    rope_theta: float = 10000.0  # pixtral, window_vit
+    tokens_per_image: int = 0  # siglip: soft tokens per image after pooling
+    merge_size: int = 1  # pixtral, window_vit: merged tokens are merge x merge patches
+    feature_layer: int = -1  # pixtral: the hidden state the projector reads (HF vision_feature_layer)
+    projector_bias: bool = False  # pixtral
+    projector_eps: float = 1e-6  # the projector's RMS norm
+    temporal_patch_size: int = 1  # window_vit
+    window_size: int = 0  # window_vit: attention windows of this many pixels a side
+    full_blocks: tuple[int, ...] = ()  # window_vit: blocks that attend over the whole image
+    out_hidden_size: int = 0  # window_vit: the merger's output width
+    begin_token_id: int | None = None  # siglip: <start_of_image>, the prompt's placeholder, and <end_of_image>
+    end_token_id: int | None = None
+    global_layers: int = 0  # mllama: the gated global encoder after the num_layers local ones
+    max_tiles: int = 0  # mllama
+    aspect_ratios: tuple[tuple[int, int], ...] = ()  # mllama: (height tiles, width tiles), ids 1.. in this order
+    intermediate_layers: tuple[int, ...] = ()  # mllama: local layers whose outputs join the features
+
+    def __post_init__(self):
+        _one_of("VisionSpec", "kind", self.kind, VISION_KINDS)
+        _one_of("VisionSpec", "activation", self.activation, ACTIVATIONS)
+        for f in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size"):
+            _size(f, getattr(self, f), "vision: ")
+        if self.kind != "window_vit":
+            _size("image_size", self.image_size, "vision: ")
+        _size("image_token_id", self.image_token_id, "vision: ", least=0)
+        _positive("norm_eps", self.norm_eps, "vision: ")
+        _positive("projector_eps", self.projector_eps, "vision: ")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError("num_heads", self.num_heads, f"a divisor of the vision hidden size {self.hidden_size}",
+                              "vision: ")
+        _size("tokens_per_image", self.tokens_per_image, "vision: ", least=0)
+        if self.kind == "window_vit":
+            kv = self.num_kv_heads or self.num_heads
+            if self.num_heads % kv:
+                raise ConfigError("num_kv_heads", kv, f"a divisor of the {self.num_heads} vision heads", "vision: ")
+            _size("out_hidden_size", self.out_hidden_size, "vision: ")
+            _size("window_size", self.window_size, "vision: ")
+        if self.kind == "mllama":
+            _size("max_tiles", self.max_tiles, "vision: ")
+            if not self.aspect_ratios or any(h * w > self.max_tiles or h < 1 or w < 1 for h, w in self.aspect_ratios):
+                raise ConfigError("aspect_ratios", self.aspect_ratios, f"tile grids of at most {self.max_tiles} tiles",
+                                  "vision: ")
+            if any(not 0 <= i < self.num_layers for i in self.intermediate_layers):
+                raise ConfigError("intermediate_layers", self.intermediate_layers,
+                                  f"indices of the {self.num_layers} local layers", "vision: ")
+        _size("merge_size", self.merge_size, "vision: ")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def problem(self) -> str | None:
+        """Why this tower cannot take images, or None. Checked when images come, not at load: HF's own default
+        Gemma3Config (SigLIP 224/16: 14 patches a side, 256 tokens) loads and runs text, and fails on an image."""
+        if self.kind == "siglip":
+            side, per = self.image_size // self.patch_size, math.isqrt(self.tokens_per_image)
+            if per * per != self.tokens_per_image or not per or side % per:
+                return (f"mm_tokens_per_image={self.tokens_per_image} is not a square whose side divides the "
+                        f"{side} patches a side of the vision tower")
+        return None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -266,6 +353,8 @@ class ModelConfig:
     quant_block: int = 32  # reference numerics: FP8 activation block (V4.1: 32, V4: 128)
     engram: EngramSpec | None = None
     mtp: MTPSpec | None = None
+    vision: VisionSpec | None = None  # multimodal models: the image tower and projector
+    head_vocab_size: int | None = None  # the head's rows when fewer than the embedding's (Mllama: its image token)
 
     def __post_init__(self):
         validate(self)
@@ -280,6 +369,11 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def logits_size(self) -> int:
+        """The head's width: the vocabulary a token is sampled from (Mllama's embedding has more rows)."""
+        return self.head_vocab_size or self.vocab_size
 
     @property
     def mhc(self) -> MHCSpec | None:

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels import model as M, sharding
+from jaxmodels import model as M, multimodal, sharding
+from jaxmodels.layers import vision as _vision
 from jaxmodels.distributed import to_host
 from jaxmodels.sampling import Sampling, is_int, sample
 
@@ -49,14 +50,19 @@ def _stopped(tail, stops):
     return jnp.any(jnp.all(hit, axis=-1), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard"),
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard", "static"),
                    compiler_options=M.COMPILER_OPTIONS)
-def _generate(params, tokens, lengths, key, eos, stops=None, *, cfg, max_new, sampling, max_len, unroll=1,
-              shard=None):
+def _generate(params, tokens, lengths, key, eos, stops=None, images=None, *, cfg, max_new, sampling, max_len, unroll=1,
+              shard=None, static=()):
     B = tokens.shape[0]
     stops = jnp.asarray(_stop_table([])) if stops is None else stops
-    cache = M.init_cache(cfg, B, max_len, params["embed"].dtype, shard=shard)  # allocated once, updated in place
-    logits, cache = M.prefill(params, cfg, tokens, lengths, cache, shard=shard)
+    images = {**(images or {}), **dict(static)}
+    cross = 0  # Mllama: the image-feature tokens each sequence's cross-attention layers keep
+    if cfg.vision is not None and cfg.vision.kind == "mllama" and "pixel_values" in images:
+        v = cfg.vision
+        cross = images["pixel_values"].shape[1] * v.max_tiles * ((v.image_size // v.patch_size) ** 2 + 1)
+    cache = M.init_cache(cfg, B, max_len, params["embed"].dtype, shard=shard, cross_tokens=cross)  # updated in place
+    logits, cache = M.prefill(params, cfg, tokens, lengths, cache, shard=shard, images=images or None)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sampling)
     out = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
@@ -86,10 +92,13 @@ def _generate(params, tokens, lengths, key, eos, stops=None, *, cfg, max_new, sa
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, seed: int = 0, stop=None,
              chat: bool = False, ignore_eos: bool = False, max_len: int | None = None,
-             unroll: int | bool = 1) -> GenerateOutput:
+             unroll: int | bool = 1, images=None) -> GenerateOutput:
     """Generate continuations for a batch of prompts (strings, or lists of token ids).
 
     chat: wrap each string prompt as one user message with the checkpoint's chat template.
+    images: a vision model's images, one list per prompt (PIL images, paths, bytes, data: URIs or arrays),
+        processed as the family's HF processor does; each prompt's image placeholders (see
+        `jaxmodels.multimodal`) are expanded into the image's tokens, or put in front when it has none.
     stop: a string, or a list of strings / token-id lists, each ending a continuation (excluded from it); a row
         ends on device once its last tokens are a stop's ids. EOS tokens stop unless `ignore_eos`.
     max_len: cache length (default: prompt + max_new_tokens, rounded up to a power of two), at most the
@@ -109,6 +118,11 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     sampling = Sampling(temperature, top_k, top_p, min_p)
     if not len(prompts):
         raise ValueError("no prompts given")
+    vision = {}
+    if images is not None:
+        if not isinstance(images, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in images):
+            raise ValueError("images must be a list with one list of images per prompt")
+        prompts, vision = _with_images(model, prompts, images, chat)
     ids = [_prompt_ids(i, p, tok, chat, cfg.vocab_size) for i, p in enumerate(prompts)]
     stops = _stops(stop, tok, cfg.vocab_size)
     longest = max(map(len, ids))
@@ -126,12 +140,18 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
         tokens[i, : len(p)] = p
     lengths = np.asarray([len(p) for p in ids], np.int32)  # host arrays: created inside no one's context mesh
     eos = set() if ignore_eos else eos_ids(cfg, tok)
+    if vision and cfg.vision.kind == "siglip":  # Gemma3's processor marks the soft tokens: bidirectional there
+        vision["token_type_ids"] = (tokens == cfg.vision.image_token_id).astype(np.int32)
+    if "cross_attention_mask" in vision:  # Mllama: per prompt token, padded like the prompts
+        m = vision["cross_attention_mask"]
+        vision["cross_attention_mask"] = np.pad(m, ((0, 0), (0, T - m.shape[1]), (0, 0), (0, 0)))
+    arrays, static = _vision.inputs(cfg, tokens, vision)
     t0 = time.perf_counter()
     with sharding.entered(model.sharding):
         out, steps = _generate(model.params, tokens, lengths, np.asarray(jax.random.PRNGKey(seed)),
                                np.asarray(sorted(eos) or [-1], np.int32), _stop_table([q for _, q in stops if q]),
-                               cfg=cfg, max_new=max_new_tokens, sampling=sampling, max_len=max_len, unroll=unroll,
-                               shard=model.sharding)
+                               arrays or None, cfg=cfg, max_new=max_new_tokens, sampling=sampling, max_len=max_len,
+                               unroll=unroll, shard=model.sharding, static=static)
     out = to_host(out)[:, : int(steps)]
     seconds = time.perf_counter() - t0
     results = [_cut(list(map(int, row)), eos, stops, tok) for row in out]
@@ -139,6 +159,18 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     if texts is not None and stops:
         texts = [_cut_text(t, [s for s, _ in stops if s is not None]) for t in texts]
     return GenerateOutput(results, texts, ids, seconds)
+
+
+def _with_images(model, prompts, images, chat: bool) -> tuple[list[list[int]], dict]:
+    """The prompts' token ids with their images' placeholders expanded (chat: each one user message whose image
+    parts come first) and the processed images."""
+    if chat:
+        if model.tokenizer is None:
+            raise ValueError("this model has no tokenizer: chat needs its template")
+        prompts = [model.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}] * len(row) + [{"type": "text", "text": p}]}])
+            if isinstance(p, str) else p for p, row in zip(prompts, images)]
+    return multimodal.prepare(model, list(prompts), list(images), templated=chat)
 
 
 def eos_ids(cfg, tokenizer) -> set[int]:

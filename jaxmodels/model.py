@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxmodels import cache as kv
 from jaxmodels.config import ModelConfig
-from jaxmodels.layers import attention, engram, mhc, mla, mlp, moe, rope
+from jaxmodels.layers import attention, engram, mhc, mla, mlp, moe, rope, vision
 from jaxmodels.layers.norms import norm
 from jaxmodels.plan import Plan, flatten, mtp_param_specs, param_specs, plan, unflatten
 
@@ -76,6 +76,18 @@ def _layer(cfg: ModelConfig, spec, p, carry, ctx, lc):
     """One decoder layer: carry {x, state, [pre], [mains]} -> carry; lc: its LayerCache (or None)."""
     x, state, eps, nk = carry["x"], carry["state"], cfg.norm_eps, spec.norm
     out = {"state": state}
+
+    if spec.attention.kind == "cross":  # Mllama: gated residuals; skipped without images (HF)
+        if (ctx["cross"] is None) if ctx["mode"] != "decode" else (lc is None or "cross_k" not in lc.cache.state[lc.kind]):
+            return carry
+        a, row = attention.cross(cfg, spec.attention, p["attn"], norm(x, p["attn_norm"], eps, nk), ctx, lc)
+        x = x + jnp.tanh(p["attn"]["gate"]).astype(x.dtype) * a
+        m = mlp.gated(spec.mlp, p["mlp"], norm(x, p["mlp_norm"], eps, nk)) * row[..., None].astype(x.dtype)
+        x = x + jnp.tanh(p["mlp_gate"]).astype(x.dtype) * m
+        carry = {**carry, "x": x}
+        if lc is not None:
+            carry["cache"] = lc.cache
+        return carry
 
     def attn(h):
         if spec.attention.kind == "mla":
@@ -206,18 +218,39 @@ def _engram(cfg: ModelConfig, params, tokens, cache, mode, lengths):
 
 
 def hidden(params, cfg: ModelConfig, tokens, positions, mode: str, cache=None, lengths=None, unroll=1,
-           shard=None, collect: bool = False, start=None):
+           shard=None, collect: bool = False, start=None, images=None):
     """Embeddings -> every layer -> the final hidden state [B, T, D] before the final norm, the updated cache, and
     (collect) what DeepSeek's MTP heads read: {"mains": the DSpark target layers' stream means [B, T, K*D] or None,
     "stream": the final mHC streams [B, T, n, D]}. mode: full (no cache) | prefill (from position 0, right-padded
-    rows of `lengths`) | extend (rows continue after `start` cached positions) | decode (one token per row)."""
+    rows of `lengths`) | extend (rows continue after `start` cached positions) | decode (one token per row).
+    images (full | prefill of a vision model): the processed images by their HF names (`pixel_values`, ...):
+    their embeddings replace the image tokens'; Gemma3's `token_type_ids` make each image's tokens attend to
+    each other."""
     pl = plan(cfg)
     x = params["embed"][tokens]
     if cfg.embed_scale is not None:  # rounded to the weight dtype, as HF
         x = x * jnp.asarray(cfg.embed_scale, params["embed"].dtype)
+    blocks = cross = None
+    if images:
+        if mode == "decode":
+            raise ValueError("images enter a forward, a prefill or an extend, not a decode step")
+        images = dict(images)
+        if "token_type_ids" in images:
+            blocks = vision.image_blocks(images.pop("token_type_ids"))
+        if "pixel_values" in images and cfg.vision.kind == "mllama":  # read by the cross-attention layers
+            from jaxmodels.layers import mllama_vision
+
+            cross = {"states": mllama_vision.encode(cfg.vision, params["vision"], images["pixel_values"],
+                                                    images["aspect_ratio_ids"], images["aspect_ratio_mask"]),
+                     "mask": images["cross_attention_mask"].reshape(*tokens.shape, -1)}
+        elif "pixel_values" in images:
+            features, valid = vision.encode(cfg.vision, params["vision"], images)
+            x = vision.splice(x, tokens, cfg.vision.image_token_id, features, valid)
+        elif "features" in images:  # encoded already (the server: the rows of this chunk's image tokens)
+            x = vision.splice(x, images["image_mask"], None, images["features"], images["valid"])
     x = _constrain(shard, x, ("batch", None, None))
     ctx = {"positions": positions, "mode": mode, "lengths": lengths, "start": start, "unroll": unroll, "shard": shard,
-           "tokens": tokens, "rope": _rope_tables(cfg, positions, x.dtype),
+           "tokens": tokens, "rope": _rope_tables(cfg, positions, x.dtype), "blocks": blocks, "cross": cross,
            "act_block": cfg.quant_block if cfg.numerics == "reference" else None}
     carry = {"x": x, "state": {}, "cache": cache}
     if cfg.mhc is not None:
@@ -265,41 +298,46 @@ def _compressed(cfg: ModelConfig) -> bool:
     return any(s.attention.kind == "mla" and s.attention.mla.ratio for s in cfg.layers)
 
 
-def forward(params, cfg: ModelConfig, tokens, positions=None, shard=None):
-    """tokens int32 [B, T] -> float32 logits [B, T, vocab]; no cache."""
+def forward(params, cfg: ModelConfig, tokens, positions=None, shard=None, images=None):
+    """tokens int32 [B, T] -> float32 logits [B, T, vocab]; no cache. images: see `hidden`."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     elif _compressed(cfg):  # compressor groups count from the sequence start
         raise ValueError(f"{cfg.family}'s forward runs from position 0; continue a sequence with prefill/decode_step")
-    x, _, _ = hidden(params, cfg, tokens, positions, "full", shard=shard)
+    x, _, _ = hidden(params, cfg, tokens, positions, "full", shard=shard, images=images)
     return head(params, cfg, x, shard)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, block_size: int = 0, tables=None, shard=None):
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, block_size: int = 0, tables=None, shard=None,
+               cross_tokens: int = 0):
     """An empty cache for `batch` sequences of up to `max_len` tokens: contiguous, or paged with `block_size`
-    (block tables as jaxmodels.cache.build takes them)."""
+    (block tables as jaxmodels.cache.build takes them). cross_tokens: Mllama's image-feature tokens per sequence
+    (see plan.cache_specs)."""
     return kv.init(cfg, batch, max_len, dtype, block_size, tables,
-                   None if shard is None else functools.partial(_constrain, shard))
+                   None if shard is None else functools.partial(_constrain, shard), cross_tokens)
 
 
-def prefill(params, cfg: ModelConfig, tokens, lengths, cache, shard=None):
-    """Right-padded prompts [B, T] with `lengths` [B] -> (last-token logits [B, vocab], filled cache)."""
+def prefill(params, cfg: ModelConfig, tokens, lengths, cache, shard=None, images=None):
+    """Right-padded prompts [B, T] with `lengths` [B] -> (last-token logits [B, vocab], filled cache). images: see
+    `hidden`."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x, cache, _ = hidden(params, cfg, tokens, positions, "prefill", cache, lengths, shard=shard)
+    x, cache, _ = hidden(params, cfg, tokens, positions, "prefill", cache, lengths, shard=shard, images=images)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
     return head(params, cfg, last, shard)[:, 0], cache
 
 
-def extend(params, cfg: ModelConfig, tokens, start, lengths, cache, shard=None):
+def extend(params, cfg: ModelConfig, tokens, start, lengths, cache, shard=None, images=None):
     """Continue cached sequences by a chunk (chunked prefill; a prompt whose prefix is already cached): row b's
     first lengths[b] tokens of the right-padded chunk [B, T] take positions start[b] .. start[b]+lengths[b]-1 after
     the start[b] positions its cache holds -> (logits of each row's last chunk token [B, vocab], cache). Rows
-    with lengths[b] = 0 keep their cache (their logits mean nothing). GQA families (DeepSeek: not yet)."""
+    with lengths[b] = 0 keep their cache (their logits mean nothing). GQA families (DeepSeek: not yet). images:
+    see `hidden` (an image's tokens attend to each other only within one chunk)."""
     if any(s.attention.kind != "gqa" for s in cfg.layers) or cfg.mhc is not None or cfg.engram is not None:
         raise NotImplementedError(f"{cfg.family}: extend() supports grouped-query attention families only")
     start, lengths = jnp.asarray(start, jnp.int32), jnp.asarray(lengths, jnp.int32)
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    x, cache, _ = hidden(params, cfg, tokens, positions, "extend", cache, lengths, shard=shard, start=start)
+    x, cache, _ = hidden(params, cfg, tokens, positions, "extend", cache, lengths, shard=shard, start=start,
+                         images=images)
     last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     return head(params, cfg, last, shard)[:, 0], cache
 

@@ -212,6 +212,8 @@ def layer_param_specs(cfg: ModelConfig, spec: LayerSpec) -> dict:
              "sandwich": ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm"),
              "post": ("post_attn_norm", "post_mlp_norm")}[spec.block]
     out = {"attn": attn, "mlp": mlp_param_specs(D, spec.mlp, cfg.vocab_size)} | {n: _norm(D, spec.norm == "gemma") for n in norms}
+    if spec.attention.kind == "cross":  # Mllama: tanh gates on both residual branches
+        out["attn"]["gate"], out["mlp_gate"] = _p((1,), (None,)), _p((1,), (None,))
     if spec.mhc is not None:
         n = spec.mhc.copies
         out |= {"hc_attn": _hc(n, D, (2 + n) * n), "hc_mlp": _hc(n, D, (2 + n) * n)}
@@ -239,12 +241,60 @@ def param_specs(cfg: ModelConfig) -> dict:
                       for k, (spec, n) in enumerate(zip(pl.kinds, pl.counts))},
            "final_norm": _norm(D, cfg.norm == "gemma")}
     if not cfg.tie_embeddings:
-        out["lm_head"] = _p((D, V), ("embed", "vocab"))
+        out["lm_head"] = _p((D, cfg.head_vocab_size or V), ("embed", "vocab"))
     if cfg.mhc is not None and not cfg.mhc.delayed:  # V4: a learned final collapse
         out["hc_head"] = _hc(cfg.mhc.copies, D, cfg.mhc.copies)
     if cfg.engram is not None:
         out["engram_map"] = _p((V,), (None,), "classes", "int32")
+    if cfg.vision is not None:
+        out["vision"] = vision_param_specs(cfg.vision, D)
     return out
+
+
+def vision_param_specs(v, D: int) -> dict:
+    """The vision tower (its layers stacked: `vision/layers/...` [layers, ...]) and projector onto hidden size D.
+    Replicated for now (no logical axes): the tower is small beside the decoder."""
+    C, H, I, L = v.hidden_size, v.num_heads, v.intermediate_size, v.num_layers
+    d, K = v.head_dim, v.num_kv_heads or v.num_heads
+    r = lambda *shape, init="normal": _p(shape, (None,) * len(shape), init)  # noqa: E731
+    stack = lambda tree: _tree_map(lambda s: s.stacked(L), tree)  # noqa: E731
+    patch = 3 * v.patch_size ** 2 * v.temporal_patch_size
+    if v.kind == "siglip":
+        ln = lambda: {"w": r(C, init="ones"), "b": r(C, init="zeros")}  # noqa: E731
+        layer = {"ln1": ln(), "ln2": ln(), "wq": r(C, H, d), "bq": r(H, d), "wk": r(C, H, d), "bk": r(H, d),
+                 "wv": r(C, H, d), "bv": r(H, d), "wo": r(H, d, C), "bo": r(C), "fc1": r(C, I), "b1": r(I),
+                 "fc2": r(I, C), "b2": r(C)}
+        side = v.image_size // v.patch_size
+        return {"patch": r(patch, C), "patch_bias": r(C), "pos": r(side * side, C), "layers": stack(layer),
+                "post_norm": ln(), "projector": {"norm": r(C, init="zeros"), "w": r(C, D)}}
+    if v.kind == "pixtral":
+        layer = {"attn_norm": r(C, init="ones"), "wq": r(C, H, d), "wk": r(C, H, d), "wv": r(C, H, d),
+                 "wo": r(H, d, C), "mlp_norm": r(C, init="ones"), "w_gate": r(C, I), "w_up": r(C, I),
+                 "w_down": r(I, C)}
+        proj = {"norm": r(C, init="ones"), "merge": r(v.merge_size ** 2 * C, C), "w1": r(C, D), "w2": r(D, D)}
+        if v.projector_bias:
+            proj |= {"b1": r(D), "b2": r(D)}
+        return {"patch": r(patch, C), "ln_pre": r(C, init="ones"), "layers": stack(layer), "projector": proj}
+    if v.kind == "mllama":
+        T, side = v.max_tiles, v.image_size // v.patch_size
+        ln = lambda: {"w": r(C, init="ones"), "b": r(C, init="zeros")}  # noqa: E731
+        layer = {"ln1": ln(), "ln2": ln(), "wq": r(C, H, d), "wk": r(C, H, d), "wv": r(C, H, d), "wo": r(H, d, C),
+                 "fc1": r(C, I), "b1": r(I), "fc2": r(I, C), "b2": r(C)}
+        glob = _tree_map(lambda s: s.stacked(v.global_layers), layer | {"gate_attn": r(1), "gate_ffn": r(1)})
+        ratios = len(v.aspect_ratios) + 1  # id 0: no image
+        tile = lambda: {"gate": r(1), "embedding": r(ratios, T * C)}  # noqa: E731
+        return {"patch": r(patch, C), "class_embedding": r(C),
+                "pos": {"gate": r(1), "embedding": r(side * side + 1, C), "tile": r(ratios, T * (side * side + 1) * C)},
+                "pre_tile": tile(), "post_tile": tile(), "ln_pre": ln(), "ln_post": ln(), "layers": stack(layer),
+                "global_layers": glob,
+                "projector": {"w": r(C * (1 + len(v.intermediate_layers)), D), "b": r(D)}}
+    M = v.merge_size ** 2 * C  # window_vit
+    layer = {"norm1": r(C, init="ones"), "wqkv": r(C, (H + 2 * K) * d), "bqkv": r((H + 2 * K) * d),
+             "wo": r(H * d, C), "bo": r(C), "norm2": r(C, init="ones"), "w_gate": r(C, I), "b_gate": r(I),
+             "w_up": r(C, I), "b_up": r(I), "w_down": r(I, C), "b_down": r(C)}
+    return {"patch": r(patch, C), "layers": stack(layer),
+            "merger": {"norm": r(C, init="ones"), "w1": r(M, M), "b1": r(M), "w2": r(M, v.out_hidden_size),
+                       "b2": r(v.out_hidden_size)}}
 
 
 @functools.lru_cache(maxsize=256)
@@ -335,13 +385,22 @@ class StateSpec:
 
     name: str
     shape: tuple[int, ...]
-    dtype: str = "float32"
+    dtype: str | None = "float32"  # None: the cache's dtype
     fill: float = 0.0
 
 
-def cache_specs(cfg: ModelConfig, spec: LayerSpec) -> tuple:
-    """What one layer of `spec` keeps between steps."""
+def cache_specs(cfg: ModelConfig, spec: LayerSpec, cross_tokens: int = 0) -> tuple:
+    """What one layer of `spec` keeps between steps. A cross-attention layer keeps the K/V of `cross_tokens`
+    image-feature tokens and the tile mask its last text token had (decode steps repeat it), computed once at
+    prefill; with none it keeps nothing and, as HF, runs only where images are given."""
     a = spec.attention
+    if a.kind == "cross":
+        if not cross_tokens:
+            return ()
+        K, d, v = cfg.num_kv_heads, cfg.head_dim, cfg.vision
+        per_tile = (v.image_size // v.patch_size) ** 2 + 1
+        return (StateSpec("cross_k", (K, cross_tokens, d), None), StateSpec("cross_v", (K, cross_tokens, d), None),
+                StateSpec("cross_mask", (cross_tokens // per_tile,)))
     if a.kind == "gqa":
         K, d = cfg.num_kv_heads, cfg.head_dim
         return SlotSpec("k", K, d, a.window), SlotSpec("v", K, d, a.window)

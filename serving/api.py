@@ -33,6 +33,8 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from jaxmodels import multimodal
+from jaxmodels.images import load_image
 from serving.engine import Engine
 from serving.llm import fan_out, prompt_ids
 from serving.metrics import Metrics
@@ -135,8 +137,9 @@ class EngineLoop:
         self._wake.set()
 
     # ---------------------------------------------------------------------- the asyncio side
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> Job:
-        """Queue (request id, prompt ids, params) as one job: all accepted, or ValueError from the engine and none."""
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams, dict | None]]) -> Job:
+        """Queue (request id, prompt ids, params, processed images or None) as one job: all accepted, or ValueError
+        from the engine and none."""
         if self._stopping or not self.alive:  # nobody would take the command
             raise ServerStopping()
         with self._lock:
@@ -200,8 +203,8 @@ class EngineLoop:
     def _add(self, job: Job, requests: list, accepted: asyncio.Future) -> None:
         added = []
         try:
-            for rid, ids, params in requests:
-                self.engine.add(rid, ids, params)
+            for rid, ids, params, images in requests:
+                self.engine.add(rid, ids, params, images)
                 added.append(rid)
         except Exception as e:  # noqa: BLE001 - ValueError: the request's fault (400); anything else: ours (500)
             for rid in added:
@@ -313,9 +316,20 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str = Field(description="a data: URI (data:image/png;base64,...); http(s) URLs are refused: the server "
+                                 "fetches nothing")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
 
 
@@ -455,7 +469,7 @@ class _Server:
     # ---------------------------------------------------------------------------- endpoints
     async def completion(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
-        params = _sampling(body, body.max_tokens, body.logprobs, {}, self.engine.model.config.vocab_size)
+        params = _sampling(body, body.max_tokens, body.logprobs, {}, self.engine.model.config.logits_size)
         batch = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
         prompts = body.prompt if batch else [body.prompt]
         try:
@@ -473,29 +487,45 @@ class _Server:
         params = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                            {"logprobs": "top_logprobs",
                             "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"},
-                           self.engine.model.config.vocab_size)
+                           self.engine.model.config.logits_size)
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        images = [(f"messages[{i}].content[{j}]", p.image_url.url) for i, m in enumerate(body.messages)
+                  if isinstance(m.content, list) for j, p in enumerate(m.content) if p.type == "image_url"]
+        if images and self.engine.model.config.vision is None:
+            raise APIError(400, f"{images[0][0]}: this model takes no images", images[0][0])
         messages = [{"role": "system" if m.role == "developer" else m.role,  # HF templates know no "developer"
-                     "content": m.content if isinstance(m.content, str)  # null (OpenAI allows it): empty
-                     else "".join(p.text for p in m.content or ()), **({"name": m.name} if m.name else {})}
+                     "content": _content(m.content, bool(images)), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
 
         def encode():
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)  # the template holds any BOS
+            if not images:
+                return self.tokenizer.encode(text, add_special_tokens=False), None  # the template holds any BOS
+            pictures = []
+            for where, url in images:
+                if not url[:5].lower() == "data:":  # never a path on this machine, never a fetch
+                    raise APIError(400, f"{where}: image_url must be a data: URI (data:image/png;base64,...); "
+                                        f"the server fetches nothing", where)
+                try:
+                    pictures.append(load_image(url, where))
+                except ValueError as e:
+                    raise APIError(400, str(e), where) from None
+            ids, arrays = multimodal.prepare(self.engine.model, [text], [pictures], templated=True)
+            return ids[0], arrays
         try:
-            ids = await run_in_threadpool(encode)
+            ids, arrays = await run_in_threadpool(encode)
         except ValueError as e:  # ChatTemplateError: the template refused the messages, or went past its bounds
             raise APIError(400, f"messages: {e}", "messages") from None
-        return await self._run(_Kind(True, self.token_text), [ids], params, body, request, "messages", body.logprobs)
+        return await self._run(_Kind(True, self.token_text), [ids], params, body, request, "messages", body.logprobs,
+                               arrays)
 
     # ---------------------------------------------------------------------------- running a request
     async def _run(self, kind: _Kind, prompts: list[list[int]], params: SamplingParams, body: _Sampling,
-                   request: Request, prompt_field: str, want_logprobs: bool):
+                   request: Request, prompt_field: str, want_logprobs: bool, images: dict | None = None):
         rid = f"{kind.prefix}-{uuid.uuid4().hex}"
         per_prompt = fan_out(params)
-        subs = [(f"{rid}-{p}-{j}", ids, sp) for p, ids in enumerate(prompts) for j, sp in enumerate(per_prompt)]
+        subs = [(f"{rid}-{p}-{j}", ids, sp, images) for p, ids in enumerate(prompts) for j, sp in enumerate(per_prompt)]
         if len(subs) > self.runner.capacity:
             raise APIError(400, f"{len(prompts)} prompt(s) x n={params.n} is {len(subs)} requests; this server holds "
                                 f"at most {self.runner.capacity} at once", "n")
@@ -572,6 +602,16 @@ class _Server:
 
 # ------------------------------------------------------------------------------------------------------- app
 _TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})  # pydantic's names of union branches
+
+
+def _content(content, images: bool):
+    """A message's content for the chat template: text (parts joined), or, when the request has images, the parts
+    as HF templates read them ({"type": "image"} where an image goes)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not images:
+        return "".join(p.text for p in content)
+    return [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in content]
 
 
 def _param(loc: tuple) -> str | None:

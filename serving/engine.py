@@ -10,6 +10,7 @@ refused by `add` with a ValueError naming the field); running out of blocks pree
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxmodels.generate import eos_ids
+from jaxmodels.layers import vision
 from serving import runner as R
 from serving.detok import Detokenizer
 from serving.kv_pool import KVPool
@@ -99,8 +101,10 @@ class Engine:
         return max(1, int(free // sum(per_block)))
 
     # -------------------------------------------------------------------------------------------- requests
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Queue a request (prompt: token ids). Raises ValueError for anything it could not serve."""
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, images: dict | None = None) -> None:
+        """Queue a request (prompt: token ids; a vision model's images processed by its HF names, as
+        `jaxmodels.multimodal.prepare` gives them, the prompt holding their tokens). Raises ValueError for anything
+        it could not serve."""
         vocab = self.model.config.vocab_size
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -119,10 +123,38 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         eos = frozenset() if params.ignore_eos else self.eos
         req = Request(request_id, [int(t) for t in prompt], params, eos | frozenset(params.stop_token_ids), seed)
+        if images:
+            self._images(req, images)
         req.detok = Detokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
                                 params.include_stop_str_in_output, context=req.prompt)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _images(self, req: Request, images: dict) -> None:
+        """Encode a request's images once, at arrival; their embeddings replace its image tokens chunk by chunk."""
+        cfg = self.model.config
+        if cfg.vision is not None and cfg.vision.kind == "mllama":
+            raise ValueError("the server does not take Mllama images yet (jm.generate does)")
+        arrays, static = vision.inputs(cfg, np.asarray([req.prompt]), images)
+        if not arrays:
+            return
+        if not self.runner.extend_ok:
+            raise ValueError(f"{cfg.family} serves no images")
+        feats, valid = R.encode_images(self.model.params, arrays, cfg=cfg, static=static)
+        req.features = feats[np.flatnonzero(np.asarray(valid))]
+        h = hashlib.sha256()
+        for name in sorted(images):
+            h.update(name.encode() + np.ascontiguousarray(images[name]).tobytes())
+        req.salt = h.digest()
+        if cfg.vision.kind == "siglip":  # each image's soft tokens attend to each other: one chunk holds them
+            is_img = np.asarray(req.prompt) == cfg.vision.image_token_id
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], is_img.astype(np.int8), [0]])))
+            req.spans = tuple(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+            longest = max((b - a for a, b in req.spans), default=0)
+            limit = min(self.scheduler.budget, self.scheduler.max_chunk or self.scheduler.budget)
+            if longest > limit:
+                raise ValueError(f"an image takes {longest} tokens, more than a prefill chunk holds ({limit}); "
+                                 f"raise max_num_batched_tokens")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free every block it holds. False if it is unknown or already done."""
@@ -145,7 +177,8 @@ class Engine:
         for req in batch.admitted:
             if req.params.penalized:  # the row's counts: this request's generated tokens so far
                 self.runner.reset_counts(req.row, req.output)
-        decode = [p for p in batch.pieces if p[2] == 1 and (p[1] > 0 or self.runner.extend_ok)]
+        decode = [p for p in batch.pieces if p[2] == 1 and (p[1] > 0 or self.runner.extend_ok)
+                  and (p[0].features is None or p[1] >= len(p[0].prompt))]  # image tokens go through extend
         chunks = [p for p in batch.pieces if p not in decode]
         results = []
         if chunks:

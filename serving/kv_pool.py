@@ -74,6 +74,7 @@ class SeqBlocks:
     entries: list  # per group: np.int32 [entries]
     digests: list = field(default_factory=list)  # chain digest of each full logical block of its tokens
     registered: int = 0  # logical blocks [0, registered) are in the prefix cache (or not cacheable)
+    salt: bytes = b""  # starts the digest chain: what besides the tokens the cache depends on (the images)
 
 
 class KVPool:
@@ -123,14 +124,14 @@ class KVPool:
         return [sp.available for sp in self.spaces]
 
     # ---------------------------------------------------------------------------------------- sequences
-    def new(self) -> SeqBlocks:
-        return SeqBlocks([np.full(g.entries, -1, np.int32) for g in self.groups])
+    def new(self, salt: bytes = b"") -> SeqBlocks:
+        return SeqBlocks([np.full(g.entries, -1, np.int32) for g in self.groups], salt=salt)
 
     def digests(self, seq: SeqBlocks, tokens: list[int]) -> list[bytes]:
         """Extend seq.digests to every full block of `tokens` (the sequence's tokens so far)."""
         bs = self.block_size
         for i in range(len(seq.digests), len(tokens) // bs):
-            parent = seq.digests[-1] if seq.digests else b""
+            parent = seq.digests[-1] if seq.digests else seq.salt
             seq.digests.append(hashlib.sha256(parent + np.asarray(tokens[i * bs:(i + 1) * bs], np.int64)
                                               .tobytes()).digest())
         return seq.digests

@@ -57,21 +57,23 @@ class LLM:
         return self.model.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt (a string, a token-id list, or a list of either); outputs in prompt order."""
+                 use_tqdm: bool = True, images: list[list] | None = None) -> list[RequestOutput]:
+        """Complete every prompt (a string, a token-id list, or a list of either); outputs in prompt order.
+        images: a vision model's images, one list per prompt, placed as `jm.generate` places them."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        per_prompt = [(prompt_ids(p, self.tokenizer), None) for p in prompts] if images is None else \
+            self._with_images(prompts, images)
         outs, owner = [], {}
-        for p, sp in zip(prompts, params):
-            ids = prompt_ids(p, self.tokenizer)
+        for (ids, arrays), sp in zip(per_prompt, params):
             out = RequestOutput(str(next(self._ids)), ids, [])
             for i, one in enumerate(fan_out(sp)):
                 rid = f"{out.request_id}-{i}"
-                self.engine.add(rid, ids, one)
+                self.engine.add(rid, ids, one, arrays)
                 out.outputs.append(CompletionOutput(i, "", [], None, [] if one.logprobs is not None else None))
                 owner[rid] = out.outputs[i]
             outs.append(out)
@@ -94,3 +96,11 @@ class LLM:
         finally:
             bar.close()
         return outs
+
+    def _with_images(self, prompts, images) -> list[tuple[list[int], dict | None]]:
+        from jaxmodels import multimodal
+
+        if not isinstance(images, list) or len(images) != len(prompts):
+            raise ValueError(f"images: one list per prompt ({len(prompts)})")
+        return [(ids[0], arrays or None) for ids, arrays in
+                (multimodal.prepare(self.model, [p], [row]) for p, row in zip(prompts, images))]

@@ -131,6 +131,9 @@ class Request:
     finish_reason: str | None = None
     first_token_time: float | None = None
     preemptions: int = 0
+    features: object = None  # a vision model's image-token embeddings [image tokens, D], in prompt order
+    salt: bytes = b""  # the images' digest: prefix-cache blocks are shared only with the same images
+    spans: tuple = ()  # (start, end) of image-token runs a prefill chunk must not split (Gemma3)
 
     @property
     def tokens(self) -> list[int]:

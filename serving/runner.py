@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmodels import cache as kv, model as M
+from jaxmodels.layers import vision
 from jaxmodels.cache import Cache
 from serving.kv_pool import Group
 from serving.request import MAX_LOGPROBS
@@ -136,21 +137,28 @@ def _sample(logits, counts, rows, s, *, sampled: bool, filtered: bool, penalized
 
 @functools.partial(jax.jit, static_argnames=("cfg", "how", "sampled", "filtered", "penalized", "top_n"),
                    donate_argnames=("cache", "counts"), compiler_options=M.COMPILER_OPTIONS)
-def step(params, cache, counts, rows, tables, tokens, start, lengths, s, *, cfg, how, sampled, penalized, top_n,
-         filtered=True):
+def step(params, cache, counts, rows, tables, tokens, start, lengths, s, images=None, *, cfg, how, sampled,
+         penalized, top_n, filtered=True):
     """Run rows [P] of the cache: tokens [P, T] (right-padded chunks of `lengths`, after `start` cached
     positions; decode: T = 1, start = its position) -> (cache, next token [P], its logprob [P],
-    top ids [P, n], top logprobs [P, n], counts)."""
+    top ids [P, n], top logprobs [P, n], counts). images (extend): the chunks' image-token embeddings, as
+    `M.hidden` takes them ("features", "valid", Gemma3's "token_type_ids")."""
     sub = _rows(cache, rows, tables)
     if how == "decode":
         logits, sub = M.decode_step(params, cfg, tokens[:, 0], start, sub)
     elif how == "extend":
-        logits, sub = M.extend(params, cfg, tokens, start, lengths, sub)
+        logits, sub = M.extend(params, cfg, tokens, start, lengths, sub, images=images)
     else:  # prefill from position 0 (models without extend)
         logits, sub = M.prefill(params, cfg, tokens, jnp.maximum(lengths, 1), sub)
     cache = _merge(cache, sub, rows)
     return (cache, *_sample(logits, counts, rows, s, sampled=sampled, filtered=filtered, penalized=penalized,
                             top_n=top_n))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "static"), compiler_options=M.COMPILER_OPTIONS)
+def encode_images(params, images, *, cfg, static=()):
+    """A request's processed images -> (image-token embeddings [M, D], valid [M])."""
+    return vision.encode(cfg.vision, params["vision"], {**images, **dict(static)})
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -189,8 +197,8 @@ class Runner:
     def reset_counts(self, row: int, tokens: list[int]) -> None:
         """A request with penalties took `row`: its counts are its generated tokens so far."""
         if self.counts.shape[0] != self.rows:
-            self.counts = jnp.zeros((self.rows, self.cfg.vocab_size), jnp.int32)
-        c = np.bincount(np.asarray(tokens, np.int64), minlength=self.cfg.vocab_size).astype(np.int32)
+            self.counts = jnp.zeros((self.rows, self.cfg.logits_size), jnp.int32)
+        c = np.bincount(np.asarray(tokens, np.int64), minlength=self.cfg.logits_size).astype(np.int32)
         self.counts = self.counts.at[row].set(c)
 
     def run(self, how: str, pieces) -> list[tuple]:
@@ -212,7 +220,7 @@ class Runner:
                 t[i] = e
             p = r.params
             s["temperature"][i], s["top_k"][i], s["top_p"][i], s["min_p"][i] = \
-                p.temperature, min(max(p.top_k, 0), self.cfg.vocab_size), p.top_p, p.min_p
+                p.temperature, min(max(p.top_k, 0), self.cfg.logits_size), p.top_p, p.min_p
             s["seed"][i], s["index"][i] = r.seed, r.generated
             s["presence"][i], s["frequency"][i] = p.presence_penalty, p.frequency_penalty
             s["emit"][i] = a + n == len(r.tokens)
@@ -222,15 +230,43 @@ class Runner:
         penalized = any(r.params.penalized for r, _, _ in pieces)
         want = max((r.params.logprobs or 0 for r, _, _ in pieces), default=0)
         top_n = 0 if want == 0 else MAX_LOGPROBS if want > 5 else 5
-        key = (how, P, T, sampled, filtered, penalized, top_n)
+        images = self._images(pieces, P, T) if how == "extend" else None
+        key = (how, P, T, sampled, filtered, penalized, top_n, None if images is None else len(images["valid"]))
         if key not in self.shapes:
             self.shapes.add(key)
             log.info("compiling step %s: %d rows x %d tokens (sampled=%s, penalties=%s, top_logprobs=%d); "
                      "%d shapes so far", how, P, T, sampled, penalized, top_n, len(self.shapes))
         if penalized and self.counts.shape[0] != self.rows:
-            self.counts = jnp.zeros((self.rows, self.cfg.vocab_size), jnp.int32)
+            self.counts = jnp.zeros((self.rows, self.cfg.logits_size), jnp.int32)
         out = step(self.model.params, self.cache, self.counts, rows, tuple(tables), tokens, start, lengths, s,
-                   cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=penalized, top_n=top_n)
+                   images, cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=penalized,
+                   top_n=top_n)
         self.cache, tok, chosen, top_ids, top_lp, self.counts = out
         tok, chosen, top_ids, top_lp = map(np.asarray, (tok, chosen, top_ids, top_lp))
         return [(int(tok[i]), float(chosen[i]), top_ids[i], top_lp[i]) for i in range(len(pieces))]
+
+    def _images(self, pieces, P: int, T: int) -> dict | None:
+        """The image-token embeddings of the chunks' image tokens, piece by piece (rows bucketed, padding
+        invalid), and Gemma3's token types; None when no chunk holds an image token."""
+        v = self.cfg.vision
+        if v is None or not any(r.features is not None for r, _, _ in pieces):
+            return None
+        rows, types = [], np.zeros((P, T), np.int32)
+        for i, (r, a, n) in enumerate(pieces):
+            if r.features is None:
+                continue
+            # the prompt's image tokens (a generated token of the same id is text)
+            is_img = (np.asarray(r.tokens[a:a + n]) == v.image_token_id) & (np.arange(a, a + n) < len(r.prompt))
+            before = sum(t == v.image_token_id for t in r.prompt[:a])
+            if is_img.any():
+                rows.append(r.features[before:before + int(is_img.sum())])
+            types[i, :n] = is_img
+        if not rows:
+            return None
+        feats = jnp.concatenate(rows)
+        M_ = bucket(feats.shape[0], 16)
+        out = {"features": jnp.pad(feats, ((0, M_ - feats.shape[0]), (0, 0))),
+               "valid": np.arange(M_) < feats.shape[0], "image_mask": types.astype(bool)}
+        if v.kind == "siglip":
+            out["token_type_ids"] = types
+        return out

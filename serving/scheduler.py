@@ -46,9 +46,14 @@ class Scheduler:
 
     def _size(self, req: Request, budget: int) -> int:
         need = len(req.tokens) - req.computed
-        if self.chunked:
-            return min(need, budget, self.max_chunk or need)
-        return need if need <= budget else 0
+        if not self.chunked:
+            return need if need <= budget else 0
+        n = min(need, budget, self.max_chunk or need)
+        end = req.computed + n
+        for a, b in req.spans:  # an image whose tokens attend to each other runs within one chunk
+            if a < end < b:
+                return max(a - req.computed, 0)
+        return n
 
     def schedule(self) -> Batch:
         batch = Batch([])
@@ -73,7 +78,7 @@ class Scheduler:
             i += 1
         while self.waiting and not batch.preempted and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            req.blocks = self.pool.new()
+            req.blocks = self.pool.new(req.salt)
             req.computed = req.cached = self.pool.reuse(req.blocks, req.tokens)
             n = self._size(req, budget)
             try:

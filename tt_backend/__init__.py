@@ -7,7 +7,8 @@
     make = tt_backend.executor_factory(model)                      # for generator.initialize_vllm_model
 
 Modules: program (TT call lists), lowering (plan -> calls, constraint checks), weights (HF -> TT layout,
-precision policy), emu (NumPy ttnn emulation), formats (tiles, bfp), paged_cache, generator, api, ttnn_exec.
+precision policy), emu (NumPy ttnn emulation), formats (tiles, bfp), paged_cache, generator, multimodal (the
+vision tower in JAX on the host, its embeddings into the TT text prefill), api, ttnn_exec.
 """
 from tt_backend.emu.executor import Executor, VLLMExecutor, executor_factory, forward
 from tt_backend.lowering import TTConstraintError, lower

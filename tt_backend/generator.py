@@ -22,11 +22,19 @@ generator owns page-table construction, chunking, DP splitting, reload commands 
 Cache buffers are host NumPy arrays (float32 unless a NumPy dtype is asked for); the emulator rounds what it
 writes to its precision policy's KV dtype (bfloat8_b by default), as the device would store it.
 
+Multimodal prefill (Gemma3, Mistral3, EXAONE 4.5 images; `tt_backend.multimodal`): ``prefill_forward(...,
+images=)`` (per user: None, raw images, or processed inputs such as a BatchFeature; or ``pixel_values=`` /
+``image_sizes=`` per user, as tt-metal's Gemma3 passes them) runs the vision tower **in JAX on the host** and hands
+the prompt's input embeddings to the TT text prefill (its "embeddings" input); Gemma3's image soft tokens attend
+to each other through prefill attention masks. ``input_processor`` expands a prompt's image placeholders as the HF
+processor does. Mllama is refused (its cross-attention layers are not lowered), and so are images for a model
+without a tower; ``model_capabilities`` of the ``*ForConditionalGeneration`` classes say so.
+
 Not done (raise rather than run something else): non-greedy device sampling and penalties
 (``prompt_tokens``/``output_tokens`` are accepted and unused), prefill traces, hidden-state returns,
 asynchronous readback (``read_from_device=False`` returns a handle that `read_decode_output` resolves, but
-nothing overlaps), multimodal inputs; the emulator additionally lacks chunked prefill, prefix caching,
-per-layer page tables and rings (see `EmulatorExecutor`).
+nothing overlaps), Mllama's cross-attention, images with a cached prefix; the emulator additionally lacks
+chunked prefill, prefix caching, per-layer page tables and rings (see `EmulatorExecutor`).
 
 Deliberate differences from tt-metal (each guards a silent-corruption path it has):
 * A user's prefill page table holds only the blocks that cover its prompt; the padded tail's entries
@@ -79,7 +87,12 @@ class Executor(Protocol):
                 owners: pc.RowOwners | None) -> np.ndarray:
         """One user's (chunk of a) padded prompt ``[1, S]`` starting at position `chunk_start`; writes its K/V
         through ``page_tables`` (``[1, W]`` per layer; ``chunk_page_tables`` is the chunk's slice) and returns the
-        float32 logits ``[vocab]`` of token `last_token_idx` (relative to the chunk). ``valid_seq_len`` real tokens."""
+        float32 logits ``[vocab]`` of token `last_token_idx` (relative to the chunk). ``valid_seq_len`` real tokens.
+
+        Multimodal prompts add two keywords (only then; text-only calls never pass them): ``embeddings``
+        float32 ``[S, D]``, the chunk's input embeddings to start from instead of the token lookup, and
+        ``image_blocks`` int ``[S]`` (Gemma3, whole prompts only): each token's bidirectional image region
+        (-1: text), for the prefill attention masks."""
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, *, page_tables: Sequence[np.ndarray],
                kv_cache: Sequence[Sequence[np.ndarray]], cache_position_modulo: Sequence[int | None],
@@ -227,7 +240,7 @@ class Generator:
 
     def __init__(self, executors: Sequence[Executor], mesh_device: EmulatedMesh | None = None, *,
                  max_batch_size: int, max_seq_len: int, block_size: int | None = None,
-                 max_prefill_chunk_size: int = 4096, hybrid_kv_cache_groups: bool | None = None):
+                 max_prefill_chunk_size: int = 4096, hybrid_kv_cache_groups: bool | None = None, vision=None):
         if not executors:
             raise ValueError("need at least one executor (one per data-parallel submesh)")
         self.model = list(executors)
@@ -243,6 +256,7 @@ class Generator:
         self.max_prefill_chunk_size = max_prefill_chunk_size
         self.hybrid_kv_cache_groups = (self._HYBRID_KV_CACHE_GROUPS_ENABLED if hybrid_kv_cache_groups is None
                                        else hybrid_kv_cache_groups)
+        self.vision = vision  # tt_backend.multimodal.VisionTower (the host half of multimodal prefill) or None
         self._resident: list[_Resident | None] = [None] * self.data_parallel
         self._trace: _Trace | None = None
         self._owners: tuple[Sequence[pc.BlockAllocator], Sequence[Hashable | None]] | None = None
@@ -259,6 +273,8 @@ class Generator:
         `model` (a ``jaxmodels.Model``; loaded from ``hf_config["_name_or_path"]`` when not given), at
         `numerics` and the precision policy `optimizations`. executor_factory(config, submesh,
         max_batch_size, max_seq_len, optimizations) -> Executor replaces it (tests, other backends).
+        A `model` with a vision tower (given, or loaded) also gives the generator its host-side tower
+        (`tt_backend.multimodal.VisionTower`) for multimodal prefill.
         """
         if max_batch_size % tt_data_parallel:
             raise ValueError(f"max_batch_size={max_batch_size} does not split over tt_data_parallel={tt_data_parallel}")
@@ -282,6 +298,10 @@ class Generator:
         submeshes = create_submeshes(mesh, tt_data_parallel)
         per = max_batch_size // tt_data_parallel
         executors = [executor_factory(cfg, s, per, max_seq_len, optimizations) for s in submeshes]
+        if model is not None and model.config.vision is not None and model.config.vision.kind != "mllama":
+            from tt_backend.multimodal import VisionTower
+
+            kwargs.setdefault("vision", VisionTower(model))
         return cls(executors, mesh, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
                    **kwargs)
 
@@ -396,12 +416,19 @@ class Generator:
     # ---- prefill ------------------------------------------------------------------------------
     def prefill_forward(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
                         enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
-                        return_hidden_states=False, warmup_prefill=True, page_tables_per_layer=None, **kwargs):
+                        return_hidden_states=False, warmup_prefill=True, page_tables_per_layer=None, images=None,
+                        pixel_values=None, image_sizes=None, **kwargs):
         """Prefill each user of ``tokens [batch, seq]`` into its slot; returns float32 logits ``[batch, 1, vocab]``.
 
         start_pos: per-user lengths already in the cache (prefix caching); multiples of the block size.
         Prefill is not traced here; ``enable_trace`` and the warmup flags are accepted for signature
         compatibility. ``return_hidden_states`` and device sampling in prefill are not supported.
+
+        images: one entry per user (None: text only), see `VisionTower.images_of`: raw images, or the processed
+        inputs (a mapping / BatchFeature with ``pixel_values`` [, ``image_sizes``, ``token_type_ids``]);
+        pixel_values / image_sizes: per-user lists of the processed arrays instead (tt-metal's Gemma3 path). The
+        prompt must hold its images' tokens (`input_processor`). The tower runs in JAX on the host and the TT
+        prefill starts from the resulting input embeddings.
         """
         if "reset_batch" in kwargs:
             raise TypeError("reset_batch is a pre-contract keyword; decode_input_update_contract 1 does not accept it")
@@ -414,6 +441,7 @@ class Generator:
         self._check_kv(kv_cache)
         tokens = np.asarray(tokens)
         B, T = tokens.shape
+        user_images = self._user_images(B, images, pixel_values, image_sizes)
         prompt_lens = [T] * B if prompt_lens is None else [int(n) for n in np.asarray(prompt_lens).reshape(-1)]
         empty_slots = list(range(B)) if empty_slots is None else [int(s) for s in empty_slots]
         cached = [0] * B if start_pos is None else [int(n) for n in np.asarray(start_pos).reshape(-1)]
@@ -439,10 +467,66 @@ class Generator:
             if n_cached and any(modulo):
                 raise NotImplementedError("prefix caching / chunk continuation is not supported with sliding rings")
             model_id = slot // self.max_batch_size_per_model
+            embeddings = blocks = None
+            if user_images[idx] is not None:
+                if n_cached:
+                    raise NotImplementedError(f"row {idx}: images with a cached prefix (start_pos={n_cached}): "
+                                              "the image features are spliced into the whole prompt")
+                embeddings, blocks = self.vision.prefill_inputs(tokens[idx, :seq_len], user_images[idx])
             out[idx, 0] = self._prefill_user(
                 tokens[idx, n_cached:seq_len], n_cached, seq_len, [pt[idx] for pt in tables], modulo,
-                kv_cache[model_id], model_id, self._row_owners(model_id, [slot]))
+                kv_cache[model_id], model_id, self._row_owners(model_id, [slot]), embeddings, blocks)
         return out
+
+    def input_processor(self, prompt, images=None) -> tuple[list[int], dict | None]:
+        """vLLM's multimodal input processor: (prompt token ids with each image placeholder expanded into the
+        image's tokens, the processed images for ``prefill_forward(images=[...])``), as the family's HF processor
+        makes them; without images the prompt is only tokenized (ids pass through)."""
+        if not images:
+            if isinstance(prompt, str):
+                tok = self.vision.model.tokenizer if self.vision is not None else None
+                if tok is None:
+                    raise ValueError("no tokenizer to encode a text prompt: pass token ids")
+                return tok.encode(prompt), None
+            return [int(t) for t in prompt], None
+        return self._tower().process_prompt(prompt, list(images))
+
+    def _tower(self):
+        """The host-side vision tower, or the reason there is none."""
+        v = self.config.vision
+        if v is None:
+            raise ValueError(f"this {self.config.family} model has no vision tower: it takes no images")
+        if v.kind == "mllama":
+            from tt_backend.multimodal import MLLAMA_NOT_LOWERED
+
+            raise NotImplementedError(MLLAMA_NOT_LOWERED)
+        if self.vision is None:
+            raise ValueError("images need the vision tower's weights: build the generator with "
+                             "initialize_vllm_model(model=...) or pass vision=tt_backend.multimodal.VisionTower(model)")
+        return self.vision
+
+    def _user_images(self, batch: int, images, pixel_values, image_sizes) -> list[dict | None]:
+        """Per user: the processed images (HF names) or None, from ``images`` or ``pixel_values``/``image_sizes``."""
+        if images is not None and (pixel_values is not None or image_sizes is not None):
+            raise ValueError("pass images or pixel_values/image_sizes, not both")
+        if images is None and pixel_values is None:
+            if image_sizes is not None:
+                raise ValueError("image_sizes without pixel_values")
+            return [None] * batch
+        name, per_user = ("images", images) if images is not None else ("pixel_values", pixel_values)
+        if isinstance(per_user, np.ndarray) or not isinstance(per_user, (list, tuple)) or len(per_user) != batch:
+            got = f"{len(per_user)} entries" if isinstance(per_user, (list, tuple)) else type(per_user).__name__
+            raise ValueError(f"{name} must be a list with one entry (or None) per user ({batch}), got {got}")
+        if image_sizes is not None and len(image_sizes) != batch:
+            raise ValueError(f"image_sizes must be a list with one entry per user ({batch}), got {len(image_sizes)}")
+        if all(e is None or isinstance(e, (list, tuple)) and not e for e in per_user):
+            return [None] * batch
+        tower = self._tower()
+        if images is None:  # tt-metal's Gemma3 path: per-user pixel_values (and Mistral3's image_sizes)
+            per_user = [None if pv is None else {"pixel_values": np.asarray(pv)} | (
+                {} if image_sizes is None or image_sizes[i] is None else {"image_sizes": np.asarray(image_sizes[i])})
+                for i, pv in enumerate(per_user)]
+        return [tower.images_of(e) for e in per_user]
 
     def prefill_forward_text(self, *args, **kwargs):
         return self.prefill_forward(*args, **kwargs)
@@ -452,12 +536,20 @@ class Generator:
             raise ValueError("block size unknown: allocate the KV cache (or pass block_size) first")
         return self.block_size
 
-    def _prefill_user(self, new_tokens, n_cached, seq_len, rows, modulo, kv, model_id, owners):
+    def _prefill_user(self, new_tokens, n_cached, seq_len, rows, modulo, kv, model_id, owners, embeddings=None,
+                      blocks=None):
         bs = self.block_size
         n_new = seq_len - n_cached
         padded = get_padded_prefill_len(n_new)
         ids = np.zeros((1, padded), np.int32)
         ids[0, :n_new] = new_tokens
+        image = {}  # the multimodal keywords, padded like the prompt
+        if embeddings is not None:
+            image["embeddings"] = np.zeros((padded, embeddings.shape[1]), np.float32)
+            image["embeddings"][:n_new] = embeddings
+        if blocks is not None:
+            image["image_blocks"] = np.full(padded, -1, np.int32)
+            image["image_blocks"][:n_new] = blocks
         user_tables = []
         for row, m in zip(rows, modulo):
             if m:  # a sliding ring: the whole ring row; the fill wraps and stops at the real length
@@ -473,6 +565,10 @@ class Generator:
         chunk = get_max_prefill_chunk_size(padded, self.max_prefill_chunk_size)
         if chunk < padded and any(modulo):
             raise NotImplementedError("chunked prefill is not supported with sliding rings (as in tt-metal)")
+        if chunk < padded and blocks is not None:
+            raise NotImplementedError(f"a prompt with Gemma3 images pads to {padded} tokens > the prefill chunk "
+                                      f"{self.max_prefill_chunk_size}: chunked prefill has no attention mask for "
+                                      "the bidirectional image blocks")
         last = n_new - 1
         for start in range(0, padded, chunk):
             end = start + chunk
@@ -481,7 +577,8 @@ class Generator:
             logits = self.model[model_id].prefill(
                 ids[:, start:end], chunk_start=n_cached + start, last_token_idx=min(last, end - 1) - start,
                 valid_seq_len=max(0, min(n_new, end) - start), page_tables=user_tables,
-                chunk_page_tables=chunk_tables, kv_cache=kv, cache_position_modulo=modulo, owners=owners)
+                chunk_page_tables=chunk_tables, kv_cache=kv, cache_position_modulo=modulo, owners=owners,
+                **{k: v[start:end] for k, v in image.items()})
             if start <= last < end:  # later chunks would hold only padding
                 return logits
         raise AssertionError("unreachable: the last token lies in some chunk")
@@ -704,12 +801,14 @@ class EmulatorExecutor:
         return first
 
     def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
-                kv_cache, cache_position_modulo, owners):
+                kv_cache, cache_position_modulo, owners, embeddings=None, image_blocks=None):
         if chunk_start or chunk_page_tables is not None:
             raise NotImplementedError("the emulated TT program prefills whole prompts from position 0 (no chunked "
                                       "prefill or prefix caching yet)")
         row = self._one_table(page_tables, cache_position_modulo)[0]
-        return self.emu.prefill(np.asarray(tokens)[0, :valid_seq_len], row, kv_cache, owners=owners)[last_token_idx]
+        cut = lambda a: None if a is None else np.asarray(a)[:valid_seq_len]  # noqa: E731
+        return self.emu.prefill(np.asarray(tokens)[0, :valid_seq_len], row, kv_cache, owners=owners,
+                                embeddings=cut(embeddings), image_blocks=cut(image_blocks))[last_token_idx]
 
     def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners):
         pt = self._one_table(page_tables, cache_position_modulo)
@@ -780,6 +879,48 @@ class Gemma3ForCausalLM(HybridAttentionForCausalLM):
 
 class Exaone4ForCausalLM(HybridAttentionForCausalLM):
     pass
+
+
+# ------------------------------------------------------------------------------- multimodal
+# What the *ForConditionalGeneration classes tell vLLM about images (tt_backend.multimodal):
+# vision_tower "jax": the tower runs in JAX on the host and its embeddings enter the TT text prefill (not ttnn calls).
+_VISION_IN_JAX = {"supports_multimodal": True, "vision_tower": "jax", "image_inputs": "embeddings"}
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma3 with images: SigLIP tower in JAX; each image's soft tokens attend to each other in the TT prefill
+    (bidirectional blocks as attention-mask inputs, so such prompts prefill in one chunk).
+
+    ``prefill_forward(tokens=..., page_table=..., kv_cache=..., prompt_lens=..., images=[per user])`` or
+    ``pixel_values=[per user]`` (tt-metal's Gemma3 passes the processed inputs' ``pixel_values``)."""
+
+    model_capabilities = {"supports_prefix_caching": False, **_VISION_IN_JAX, "image_attention": "bidirectional"}
+
+
+class Mistral3ForConditionalGeneration(MistralForCausalLM):
+    """Mistral3 with images: the Pixtral tower and patch merger in JAX; a causal text prefill from the embeddings.
+
+    ``prefill_forward(tokens, images, page_table, kv_cache, prompt_lens, cross_page_table)`` is tt-metal's order;
+    Mistral3 has no cross-attention, so ``cross_page_table`` is accepted and unused."""
+
+    model_capabilities = {"supports_prefix_caching": False, **_VISION_IN_JAX, "image_attention": "causal"}
+
+    def prefill_forward(self, tokens, images=None, page_table=None, kv_cache=None, prompt_lens=None,
+                        cross_page_table=None, **kwargs):
+        return super().prefill_forward(tokens, page_table, kv_cache, prompt_lens, images=images, **kwargs)
+
+
+class MllamaForConditionalGeneration(Generator):
+    """Llama 3.2 Vision: refused. Its images enter through cross-attention layers, which are not lowered
+    (`tt_backend.multimodal.MLLAMA_NOT_LOWERED`), so the emulated program cannot be built for it and images
+    raise NotImplementedError naming what is missing, even with a custom executor."""
+
+    model_capabilities = {"supports_prefix_caching": False, "supports_multimodal": False, "vision_tower": None,
+                          "not_lowered": "cross-attention layers (cross K/V cache, gated residuals, cross mask)"}
+
+    def prefill_forward(self, tokens, images=None, page_table=None, kv_cache=None, prompt_lens=None,
+                        cross_page_table=None, **kwargs):
+        return super().prefill_forward(tokens, page_table, kv_cache, prompt_lens, images=images, **kwargs)
 
 
 class GptOssForCausalLM(HybridAttentionForCausalLM):

@@ -18,6 +18,12 @@ Options: `chunk_start` (a later prefill chunk attending to earlier ones through 
 dtypes and compute configs, `tt_backend.weights.POLICIES`; a `DecodersPrecision` sets them per layer, as
 `tt_backend.precision.choose` does from the weights).
 
+Multimodal prefill (the vision tower runs in JAX on the host, `tt_backend.multimodal`): `embeddings=True`
+makes the prefill start from an "embeddings" input [1, 1, S, D] (HF's inputs_embeds: lookup, embed scale and
+spliced image features, made by the caller) instead of "tokens" and the embedding lookup; `attention_mask=True`
+replaces the causal rule of prefill SDPA by additive masks [1, 1, S, S] (`attention_masks`: Gemma3's
+bidirectional image blocks), one input per distinct window ("attn_mask", "attn_mask.w<W>"). Decode is unchanged.
+
 MoE layers (GPT-OSS, Qwen3-MoE routers) are lowered with dense experts: every expert runs on every
 row, weighted by its routing weight (exact routing, E times the expert work of ttnn.sparse_matmul).
 
@@ -33,6 +39,8 @@ so it also serves as `tt_backend.forward`.
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from jaxmodels.config import LayerSpec, ModelConfig
 from tt_backend.program import Ref, TTCall, TTModelProgram, TTProgram, TTTensorSpec
@@ -75,6 +83,9 @@ def check_layer(cfg: ModelConfig, i: int, spec: LayerSpec) -> None:
     where = f"layer {i}"
     if spec.residual != "plain":
         raise NotImplementedError(f"{where}: residual {spec.residual!r} (mHC) lowering is a later issue")
+    if a.kind == "cross":
+        raise NotImplementedError(f"{where}: Mllama's cross-attention layer (image K/V in a cross cache, tanh-gated "
+                                  f"residuals, the cross-attention mask) has no ttnn lowering yet")
     if a.kind != "gqa":
         raise NotImplementedError(f"{where}: {a.kind!r} attention (DeepSeek's latent attention) lowering is a later issue")
     if spec.engram >= 0:
@@ -176,15 +187,46 @@ def check_program(prog: TTProgram) -> None:
                 raise TTConstraintError(f"call {n}: {name} padded shape {s.padded_shape} is not tile aligned")
 
 
+# --------------------------------------------------------------------------- prefill masks
+MASKED = -1e9  # additive mask value of a forbidden (query, key) pair: exp underflows to 0, no inf arithmetic
+
+
+def mask_name(window: int | None) -> str:
+    """The mask input that layers with this sliding window read in a masked prefill."""
+    return "attn_mask" if window is None else f"attn_mask.w{window}"
+
+
+def attention_masks(cfg: ModelConfig, image_blocks, rows: int) -> dict[str, np.ndarray]:
+    """The masked prefill's mask inputs: {mask_name(window): float32 [1, 1, rows, rows]}, 0 where query q may
+    see key k, `MASKED` elsewhere. image_blocks [T <= rows] int: the bidirectional region a prompt token belongs
+    to (`jaxmodels.layers.vision.image_blocks`: Gemma3's image soft tokens), -1 for text; padding rows are text.
+    Gemma3's rule (HF `token_type_ids_mask_function`, specs/vision.md §1.5): full layers
+    allowed = k <= q or same(q, k); sliding layers additionally k > q - W (one-sided, so a later token of the
+    same image always passes it)."""
+    blk = np.full(rows, -1, np.int64)
+    given = np.asarray(image_blocks).reshape(-1)
+    if given.shape[0] > rows:
+        raise ValueError(f"image_blocks has {given.shape[0]} entries for a prefill of {rows} rows")
+    blk[: given.shape[0]] = given
+    q, k = np.arange(rows)[:, None], np.arange(rows)[None, :]
+    base = (k <= q) | ((blk[:, None] == blk[None, :]) & (blk[:, None] >= 0))
+    out = {}
+    for w in {s.attention.window for s in cfg.layers}:
+        allowed = base if w is None else base & (k > q - w)
+        out[mask_name(w)] = np.where(allowed, 0.0, MASKED).astype(np.float32)[None, None]
+    return out
+
+
 # ---------------------------------------------------------------------------------- builder
 class _Builder:
     def __init__(self, cfg: ModelConfig, prec: Precision, mode: str, chunk_start: int = 0,
-                 per_layer_page_tables: bool = False, modulo: tuple = ()):
+                 per_layer_page_tables: bool = False, modulo: tuple = (), masked: bool = False):
         self.cfg, self.prec, self.mode = cfg, prec, mode
         self.calls: list[TTCall] = []
         self.tensors: dict[str, TTTensorSpec] = {}
         self.mem = DRAM if mode == "prefill" else L1_WIDTH
         self.chunk_start, self.per_layer, self.modulo = chunk_start, per_layer_page_tables, modulo
+        self.masked = masked  # prefill SDPA reads an additive mask input instead of the causal rule
 
     def page_table(self, i: int, chunk: bool = False) -> str:
         """The page table layer i reads (one per layer for hybrid KV groups); `chunk`: the chunk's slice."""
@@ -295,6 +337,10 @@ def _attention(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int, rope_nam
         if b.chunk_start:  # later chunks attend to earlier ones through the cache
             o = b.call("ttnn.transformer.chunked_scaled_dot_product_attention", [q, kc, vc, b.page_table(i)],
                        {"chunk_start_idx": b.chunk_start, **sdpa_kw}, f"{n}.attn", (1, H, rows, d))
+        elif b.masked:  # the window is part of the mask (`attention_masks`)
+            kw = {k: v for k, v in sdpa_kw.items() if k != "sliding_window_size"}
+            o = b.call("ttnn.transformer.scaled_dot_product_attention", [q, k8, v8],
+                       {"is_causal": False, "attn_mask": Ref(mask_name(a.window)), **kw}, f"{n}.attn", (1, H, rows, d))
         else:
             o = b.call("ttnn.transformer.scaled_dot_product_attention", [q, k8, v8],
                        {"is_causal": True, **sdpa_kw}, f"{n}.attn", (1, H, rows, d))
@@ -423,12 +469,19 @@ def _layer_body(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_na
 def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, rows: int, max_seq_len: int,
              block_size: int,
              page_table_width: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
-             modulo: tuple = ()) -> TTProgram:
-    b = _Builder(cfg, prec, mode, chunk_start if mode == "prefill" else 0, per_layer_page_tables, modulo)
+             modulo: tuple = (), embeddings: bool = False, attention_mask: bool = False) -> TTProgram:
+    prefill = mode == "prefill"
+    b = _Builder(cfg, prec, mode, chunk_start if prefill else 0, per_layer_page_tables, modulo,
+                 masked=attention_mask and prefill)
     D, V, K, d = cfg.hidden_size, cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim
     users = 1 if mode == "prefill" else rows
-    inputs = [b.tensor("tokens", (1, rows), U32, RM, DRAM, "input"),
+    embeddings = embeddings and prefill
+    inputs = [b.tensor("embeddings", (1, 1, rows, D), BF16, TILE_L, DRAM, "input") if embeddings else
+              b.tensor("tokens", (1, rows), U32, RM, DRAM, "input"),
               b.tensor("rope_pos", (1, rows), U32, RM, DRAM, "input")]
+    if b.masked:
+        for w in sorted({s.attention.window for s in cfg.layers}, key=lambda w: (w is not None, w or 0)):
+            inputs.append(b.tensor(mask_name(w), (1, 1, rows, rows), BF16, TILE_L, DRAM, "input"))
     for i in range(cfg.num_layers) if per_layer_page_tables else [0]:
         inputs.append(b.tensor(b.page_table(i), (users, page_table_width), I32, RM, DRAM, "input"))
         if b.chunk_start:
@@ -453,12 +506,15 @@ def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, r
         rope_name[r] = tuple(pair)
     if any(s.attention.rope is not None for s in cfg.layers):
         b.weight("rope.trans_mat", (1, 1, TILE, TILE), BF16)
-    emb = b.weight("embed", (V, D), BF16, RM)
-    x = b.call("ttnn.embedding", ["tokens", emb], {"layout": TILE_L, "dtype": BF16}, "embed.rows", (1, rows, D))
-    x = b.call("ttnn.reshape", [x], {"shape": [1, 1, rows, D]}, "x0", (1, 1, rows, D))
-    if cfg.embed_scale is not None:
-        x = b.call("ttnn.mul", [x], {"input_tensor_b": float(cfg.embed_scale), "memory_config": b.mem}, "x0.scaled",
-                   (1, 1, rows, D))
+    if embeddings:  # the caller's inputs_embeds (scaled, images spliced): no lookup here
+        x = "embeddings"
+    else:
+        emb = b.weight("embed", (V, D), BF16, RM)
+        x = b.call("ttnn.embedding", ["tokens", emb], {"layout": TILE_L, "dtype": BF16}, "embed.rows", (1, rows, D))
+        x = b.call("ttnn.reshape", [x], {"shape": [1, 1, rows, D]}, "x0", (1, 1, rows, D))
+        if cfg.embed_scale is not None:
+            x = b.call("ttnn.mul", [x], {"input_tensor_b": float(cfg.embed_scale), "memory_config": b.mem},
+                       "x0.scaled", (1, 1, rows, D))
     for i, spec in enumerate(cfg.layers):
         x = _layer(b, i, spec, x, rows, rope_name)
     fw = b.weight("final_norm", (1, 1, 1, D), BF16, RM)
@@ -477,6 +533,7 @@ def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, r
     prog = TTProgram(mode, b.calls, b.tensors, tuple(inputs), (out,),
                      {"rows": rows, "block_size": block_size, "page_table_width": page_table_width,
                       "chunk_start": b.chunk_start, "cache_position_modulo": list(modulo) or None,
+                      **({"embeddings": True} if embeddings else {}), **({"attention_mask": True} if b.masked else {}),
                       "layer_outputs": [f"l{i}.out" for i in range(cfg.num_layers)]})
     check_program(prog)
     return prog
@@ -485,7 +542,8 @@ def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, r
 def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int = MAX_DECODE_BATCH,
           max_seq_len: int = 8192, block_size: int = 32, policy: str | Precision | DecodersPrecision = "performance",
           chunk_start: int = 0, per_layer_page_tables: bool = False,
-          cache_position_modulo: tuple[int | None, ...] | None = None) -> TTModelProgram:
+          cache_position_modulo: tuple[int | None, ...] | None = None, embeddings: bool = False,
+          attention_mask: bool = False) -> TTModelProgram:
     """The prefill program for a prompt of `prefill_len` tokens (padded to a multiple of 128) and
     the decode program for `batch` users, over paged caches of `block_size`-token blocks and
     page tables wide enough for `max_seq_len` positions.
@@ -495,6 +553,9 @@ def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int =
     (`chunked_scaled_dot_product_attention`) and fills through a "chunk_page_table".
     per_layer_page_tables: every layer reads its own "page_table.<i>" (hybrid KV-cache groups).
     cache_position_modulo: per layer, the ring size of a sliding layer's cache (None = full length).
+    embeddings: the prefill reads input embeddings [1, 1, S, D] ("embeddings") instead of token ids.
+    attention_mask: prefill attention reads additive masks ([1, 1, S, S], `attention_masks`) instead of the
+    causal rule; not with chunk_start (the mask would have to cover the cached prefix too).
     """
     check_config(cfg)
     check_decode_batch(batch)
@@ -521,10 +582,14 @@ def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int =
                                         f"and a multiple of block_size={block_size} (window {w})")
         if chunk_start:
             raise NotImplementedError("chunked prefill into sliding rings is not supported (as in tt-metal)")
+    if attention_mask and chunk_start:
+        raise NotImplementedError("a masked prefill (Gemma3's bidirectional image blocks) runs whole prompts from "
+                                  "position 0: chunked_scaled_dot_product_attention takes no attention mask")
     width = math.ceil(max_seq_len / block_size)
     opts = dict(per_layer_page_tables=per_layer_page_tables, modulo=modulo)
     return TTModelProgram(
-        prefill=_program(cfg, prec, "prefill", S, max_seq_len, block_size, width, chunk_start, **opts),
+        prefill=_program(cfg, prec, "prefill", S, max_seq_len, block_size, width, chunk_start, **opts,
+                         embeddings=embeddings, attention_mask=attention_mask),
         decode=_program(cfg, prec, "decode", batch, max_seq_len, block_size, width, **opts),
         meta={"family": cfg.family, "policy": prec.name, "max_seq_len": max_seq_len, "block_size": block_size,
               "num_layers": cfg.num_layers, "kv_cache": {"shape": [None, cfg.num_kv_heads, block_size, cfg.head_dim],

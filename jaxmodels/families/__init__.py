@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from jaxmodels.config import ConfigError, ModelConfig
-from jaxmodels.families import cohere, deepseek_v4, exaone4, gemma3, gpt_oss, llama, mistral, qwen3, qwen3_moe
+from jaxmodels.families import (cohere, deepseek_v4, exaone4, gemma3, gpt_oss, llama, mistral, mistral3, mllama,
+                                qwen3, qwen3_moe)
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class Family:
     #                               multimodal-wrapper prefixes)
     derived: tuple[str, ...] = ()  # parameters not read from the checkpoint (built at import)
     quantized: bool = False  # FP8/FP4 weights with `.scale` beside them (converters/deepseek.py decodes them)
+    untie: bool = False  # a checkpoint with its own lm_head is untied although config.json ties (as HF v5)
 
 
 FAMILIES = {
@@ -30,9 +32,11 @@ FAMILIES = {
     "cohere": Family("cohere", cohere.config, cohere.NAMES),
     "cohere2": Family("cohere2", cohere.config2, cohere.NAMES),
     "gemma3_text": Family("gemma3", gemma3.config, gemma3.NAMES, gemma3.SKIP),
-    "gemma3": Family("gemma3", gemma3.config_multimodal, gemma3.NAMES, gemma3.SKIP),
+    "gemma3": Family("gemma3", gemma3.config_multimodal, gemma3.names_multimodal, gemma3.VISION_SKIP, gemma3.RENAMES),
+    "mllama": Family("mllama", mllama.config, mllama.names, renames=mllama.RENAMES),
+    "mistral3": Family("mistral3", mistral3.config, mistral3.names, renames=mistral3.RENAMES, untie=True),
     "exaone4": Family("exaone4", exaone4.config, exaone4.NAMES, exaone4.SKIP),
-    "exaone4_5": Family("exaone4", exaone4.config45, exaone4.NAMES, exaone4.SKIP),
+    "exaone4_5": Family("exaone4", exaone4.config45, exaone4.names45, exaone4.SKIP45),
     "qwen3_moe": Family("qwen3_moe", qwen3_moe.config, qwen3_moe.NAMES),
     "gpt_oss": Family("gpt_oss", gpt_oss.config, gpt_oss.NAMES),
     "gpt_oss_original": Family("gpt_oss", gpt_oss.config_original, gpt_oss.original_names),

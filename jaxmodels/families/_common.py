@@ -1,6 +1,8 @@
 """Helpers that read HF config.json dicts and the name map shared by Llama-style checkpoints."""
 from __future__ import annotations
 
+import numpy as np
+
 from jaxmodels.config import RopeSpec
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -98,6 +100,18 @@ LLAMA_NAMES = {
     r"model\.layers\.{i}\.input_layernorm\.weight": ("attn_norm", "copy"),
     r"model\.layers\.{i}\.post_attention_layernorm\.weight": ("mlp_norm", "copy"),
 }
+
+# Multimodal and v5 wrappers put the text model under another prefix (specs/hf_families.md §5): the renames
+# (regex, replacement) every family's checkpoint names go through unless it declares its own.
+PREFIXES = ((r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
+            (r"^language_model\.lm_head\.", "lm_head."))
+
+
+def conv_patches(channels: int, *kernel: int) -> tuple:
+    """The transform of a patchify conv [C, channels, *kernel] (kernel = stride, no padding): the matmul weight
+    [channels * prod(kernel), C] of patches flattened in (channel, *kernel) order (specs/vision.md conventions)."""
+    return (lambda t: (t[-1], channels, *kernel), lambda x, t: np.ascontiguousarray(x.reshape(x.shape[0], -1).T))
+
 
 # Checkpoint entries that carry no parameters.
 IGNORED = (r".*\.rotary_emb\.inv_freq",)

@@ -17,13 +17,18 @@ def einsum_f32(eq: str, a, b):
     return jnp.einsum(eq, a, b, preferred_element_type=F32)
 
 
-def mask(q_pos, k_pos, window: int | None, k_valid=None):
+def mask(q_pos, k_pos, window: int | None, k_valid=None, blocks=None, k_blocks=None):
     """Boolean [B, Tq, Tk]: key visible to query iff k <= q (and k > q - W for a window of W keys).
 
-    A window of W means the query itself plus W-1 earlier tokens, as HF's `sliding_window_overlay`.
+    A window of W means the query itself plus W-1 earlier tokens, as HF's `sliding_window_overlay`. blocks [B, Tq]
+    and k_blocks [B, Tk] (default: blocks, queries and keys the same tokens): tokens of one block (>= 0) also see
+    each other, later ones included; the window test stays one-sided (Gemma3's image tokens, specs/vision.md §1.5).
     """
     q, k = q_pos[:, :, None], k_pos[:, None, :]
     m = k <= q
+    if blocks is not None:
+        kb = blocks if k_blocks is None else k_blocks
+        m |= (blocks[:, :, None] == kb[:, None, :]) & (blocks[:, :, None] >= 0)
     if window is not None:
         m &= k > q - window
     if k_valid is not None:
@@ -68,6 +73,19 @@ def causal(q, k, v, *, scale: float, window: int | None = None):
                                         implementation="cudnn" if fused else None)
 
 
+def unordered(q, k, v, allowed=None, *, scale: float):
+    """Attention without causal order (the vision towers): q [B, T, H, d], k/v [B, K, S, d], allowed [B, T, S]
+    (None: every key) -> [B, T, H, d]. On GPU for half types cuDNN's fused kernel, whose score matrix never
+    reaches HBM (an H200 SigLIP tower ran at 0.4x HF's sdpa with `attend`'s fp32 scores); `attend` elsewhere."""
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        mask = None if allowed is None else allowed[:, None]
+        return jax.nn.dot_product_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask,
+                                            scale=scale, implementation="cudnn")
+    if allowed is None:
+        allowed = jnp.ones((q.shape[0], q.shape[1], k.shape[2]), bool)
+    return attend(q, k, v, allowed, scale=scale)
+
+
 def gqa(cfg, a, p, h, ctx, cache):
     """One layer's grouped-query attention: h [B, T, D] (normed) -> [B, T, D].
 
@@ -104,17 +122,48 @@ def gqa(cfg, a, p, h, ctx, cache):
         values = jnp.concatenate([cache.read("v").astype(q.dtype), v], axis=2)
         k_pos = jnp.concatenate([c_pos, pos], axis=1)
         k_valid = jnp.concatenate([c_pos >= 0, jnp.arange(pos.shape[1]) < lengths[:, None]], axis=1)
-        o = attend(q, keys, values, mask(pos, k_pos, a.window, k_valid=k_valid), scale=scale, softcap=a.softcap,
-                   sinks=p.get("sinks"))
+        blocks = ctx.get("blocks")  # an image within this chunk (the cache holds no block of it)
+        k_blocks = None if blocks is None else jnp.concatenate([jnp.full(c_pos.shape, -1, jnp.int32), blocks], 1)
+        o = attend(q, keys, values, mask(pos, k_pos, a.window, k_valid=k_valid, blocks=blocks, k_blocks=k_blocks),
+                   scale=scale, softcap=a.softcap, sinks=p.get("sinks"))
         cache.write("k", k, lengths, start)
         cache.write("v", v, lengths, start)
     else:
         if ctx["mode"] == "prefill":
             cache.write("k", k, ctx["lengths"])
             cache.write("v", v, ctx["lengths"])
-        if a.softcap is None and not a.sinks:  # the whole sequence: the library's fused path
+        if ctx.get("blocks") is not None:  # Gemma3 images: a token also sees later tokens of its own image
+            o = attend(q, k, v, mask(pos, pos, a.window, blocks=ctx["blocks"]), scale=scale, softcap=a.softcap,
+                       sinks=p.get("sinks"))
+        elif a.softcap is None and not a.sinks:  # the whole sequence: the library's fused path
             o = causal(q, k, v, scale=scale, window=a.window)
         else:
             o = attend(q, k, v, mask(pos, pos, a.window), scale=scale, softcap=a.softcap, sinks=p.get("sinks"))
     out = jnp.einsum("bthd,hdo->bto", o, p["wo"])
     return out + p["bo"] if a.out_bias else out
+
+
+def cross(cfg, a, p, h, ctx, cache):
+    """Mllama's cross-attention: text queries h [B, T, D] (normed) over the image features' keys and values ->
+    (out [B, T, D], row [B, T]: whether a token sees any image tile). ctx["cross"] (forward / prefill): the
+    features' "states" [B, S, D] and the tile "mask" [B, T, tiles] (HF cross_attention_mask, images x tiles
+    flattened); a prefill keeps this layer's K/V and each row's last mask row in the cache, which decode reads.
+    A row that sees no tile attends to every key (HF zeroes its mask, not its output; only the MLP is gated by
+    `row`)."""
+    d = cfg.head_dim
+    q = norm(jnp.tensordot(h, p["wq"], axes=1), p["q_norm"], cfg.norm_eps, a.qk_norm)
+    if ctx["mode"] == "decode":
+        k, v, tiles = cache.get("cross_k"), cache.get("cross_v"), cache.get("cross_mask")[:, None]
+    else:
+        states, tiles = ctx["cross"]["states"], ctx["cross"]["mask"].astype(F32)
+        k = norm(jnp.tensordot(states, p["wk"], axes=1), p["k_norm"], cfg.norm_eps, a.qk_norm).transpose(0, 2, 1, 3)
+        v = jnp.tensordot(states, p["wv"], axes=1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            cache.set("cross_k", k)
+            cache.set("cross_v", v)
+            last = ctx["lengths"] - 1 if ctx["lengths"] is not None else jnp.full(tiles.shape[:1], tiles.shape[1] - 1)
+            cache.set("cross_mask", jnp.take_along_axis(tiles, last[:, None, None], axis=1)[:, 0])
+    keys = jnp.repeat(tiles > 0, k.shape[2] // tiles.shape[-1], axis=-1)  # [B, T, S]: each tile's tokens
+    row = jnp.any(keys, axis=-1)
+    o = attend(q, k.astype(q.dtype), v.astype(q.dtype), keys | ~row[..., None], scale=d ** -0.5)
+    return jnp.einsum("bthd,hdo->bto", o, p["wo"]), row

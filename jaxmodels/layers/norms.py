@@ -28,3 +28,11 @@ def norm(x, w, eps: float, kind: str):
         var = jnp.mean(c * c, axis=-1, keepdims=True)
         return (w.astype(F32) * (c * jnp.reciprocal(jnp.sqrt(var + eps)))).astype(x.dtype)
     raise ValueError(f"unknown norm kind {kind!r}")
+
+
+def layer_norm(x, w, b, eps: float):
+    """torch.nn.LayerNorm: statistics, scale and bias in fp32, then cast (the vision towers)."""
+    x32 = x.astype(F32)
+    c = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    y = c * jnp.reciprocal(jnp.sqrt(jnp.mean(c * c, axis=-1, keepdims=True) + eps))
+    return (y * w.astype(F32) + b.astype(F32)).astype(x.dtype)

@@ -1,4 +1,5 @@
-"""The text decoder of multimodal checkpoints, saved by HF's own multimodal classes, matches them."""
+"""The text decoder of multimodal checkpoints, saved by HF's own multimodal classes, matches them (the vision
+towers themselves: test_vision.py)."""
 import json
 
 import numpy as np
@@ -13,7 +14,8 @@ from tests.parity import hf_reference as ref
 VISION = {
     "gemma3": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
                "image_size": 28, "patch_size": 14},
-    "exaone4_5": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64},
+    "exaone4_5": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_key_value_heads": 2,
+                  "out_hidden_size": 64},
 }
 
 
@@ -36,7 +38,7 @@ def _check(hf, dst):
 
 
 def test_gemma3_conditional_generation_text_part(tmp_path):
-    """Weights under `language_model.model.`, vision weights skipped, and no final softcap
+    """Weights under `language_model.model.`, the vision tower imported beside them, and no final softcap
     (Gemma3ForConditionalGeneration does not apply it even when the text config sets it)."""
     text = {k: v for k, v in ref.tiny_config("gemma3").items() if k != "model_type"}
     assert text["final_logit_softcapping"] == 2.0
@@ -50,7 +52,7 @@ def test_gemma3_conditional_generation_text_part(tmp_path):
 
 
 def test_exaone4_5_text_part_with_mtp_and_extra_layer_type(tmp_path, caplog):
-    """`model.language_model.` prefix, vision under `model.visual.`, and as in the release: one extra
+    """`model.language_model.` prefix, the vision tower under `model.visual.`, and as in the release: one extra
     layer_types entry for the MTP layer and `mtp.*` weights, both left out."""
     text = {k: v for k, v in ref.tiny_config("exaone4").items() if k != "model_type"}
     hf = _build("exaone4_5", {**text, "model_type": "exaone4_5_text"})

@@ -191,7 +191,7 @@ def test_vllm_extras_and_penalties(client, reference, tokenizer):
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi " * 200}]}, 400,
      "messages", "max_model_len"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content", "text"),
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]", "takes no images"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, 400,
      "messages[0].role", "user"),
     ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "max_completion_tokens": 0}, 400,

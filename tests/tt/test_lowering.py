@@ -219,6 +219,7 @@ def test_program_checker_catches_illegal_calls():
 def _variants(family):
     yield _lower(family)
     yield _lower(family, chunk_start=128, per_layer_page_tables=True)  # chunked prefill, hybrid page tables
+    yield _lower(family, embeddings=True, attention_mask=True)  # multimodal prefill: embeddings in, masked SDPA
     cfg = tiny_config(family)
     if any(s.attention.window for s in cfg.layers):  # sliding rings
         yield _lower(family, cache_position_modulo=tuple(96 if s.attention.window else None for s in cfg.layers))
@@ -228,7 +229,8 @@ def _variants(family):
 def test_every_call_matches_the_real_ttnn_api(family):
     """Op names, keyword names and arity against signatures extracted from the ttnn wheel; every
     ttnn constant we name (dtypes, layouts, memory configs, enums) exists; compute kernel configs use
-    only WormholeComputeKernelConfig's fields. Covers the plain, chunked/per-layer and ring variants."""
+    only WormholeComputeKernelConfig's fields. Covers the plain, chunked/per-layer, multimodal (embeddings
+    input, masked SDPA) and ring variants."""
     progs = [p for v in _variants(family) for p in (v.prefill, v.decode)]
     assert {c.op for p in progs for c in p.calls} >= {"ttnn.linear", "ttnn.experimental.paged_update_cache"}
     for prog in progs:

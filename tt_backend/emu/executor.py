@@ -11,7 +11,10 @@ Executor API (what `tt_backend.generator` drives for vLLM-style prefill/decode):
 - prefill: `tokens` int [T] of one user; `page_table_row` int [W] holds that user's blocks in logical
   order. The prompt is padded to a multiple of 128; page-table entries past the prompt's own blocks
   are replaced by -1, so the padded tail never lands in a block the user does not own (#56324).
-  Returns the logits of all T prompt positions.
+  Returns the logits of all T prompt positions. Multimodal prompts (`tt_backend.multimodal` makes both):
+  `embeddings=` float [T, D] (the input embeddings with the image features spliced in) replaces the
+  embedding lookup; `image_blocks=` int [T] (Gemma3: the bidirectional image region of each token, -1 for
+  text) runs the prefill attention under `lowering.attention_masks` instead of the causal rule.
 - decode: `tokens` [B], `positions` [B] (absolute position of each token; -1 skips the row: no cache
   write, zero attention output), `page_table` [B, W] with W * block_size > max position.
 - caches are updated in place (device buffers), rounded to the policy's KV dtype (bfloat8_b by
@@ -53,7 +56,7 @@ import numpy as np
 from tt_backend import paged_cache, precision
 from tt_backend.emu import numerics
 from tt_backend.emu.ops import OPS, Env
-from tt_backend.lowering import check_decode_batch, lower, padded_prefill_len
+from tt_backend.lowering import attention_masks, check_decode_batch, lower, padded_prefill_len
 from tt_backend.program import Ref, TTProgram
 from tt_backend.weights import policy as get_policy, prepare
 
@@ -86,12 +89,15 @@ class Executor:
     # ------------------------------------------------------------------------------ programs
     @functools.lru_cache(maxsize=32)
     def program(self, mode: str, rows: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
-                cache_position_modulo: tuple | None = None) -> TTProgram:
-        """The prefill program for `rows` (padded) tokens, or the decode program for `rows` users."""
+                cache_position_modulo: tuple | None = None, embeddings: bool = False,
+                attention_mask: bool = False) -> TTProgram:
+        """The prefill program for `rows` (padded) tokens (from input embeddings / under attention masks: see
+        `lower`), or the decode program for `rows` users."""
         kw = dict(max_seq_len=self.max_seq_len, block_size=self.block_size, policy=self.policy,
                   per_layer_page_tables=per_layer_page_tables, cache_position_modulo=cache_position_modulo)
         if mode == "prefill":
-            return lower(self.config, prefill_len=rows, batch=1, chunk_start=chunk_start, **kw).prefill
+            return lower(self.config, prefill_len=rows, batch=1, chunk_start=chunk_start, embeddings=embeddings,
+                         attention_mask=attention_mask, **kw).prefill
         return lower(self.config, prefill_len=1, batch=rows, **kw).decode
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
@@ -128,26 +134,44 @@ class Executor:
                 t[name] = self._store(val, prog.tensors[name].dtype, "device")
         return t
 
-    def prefill(self, tokens, page_table_row, kv_cache, *, owners=None, return_all: bool = False):
+    def prefill(self, tokens, page_table_row, kv_cache, *, owners=None, return_all: bool = False, embeddings=None,
+                image_blocks=None):
         """One user's prompt -> logits [T, vocab] (or every named tensor with return_all)."""
         tokens = np.asarray(tokens).reshape(-1)
         T = tokens.shape[0]
         S = padded_prefill_len(T)
         pt = paged_cache.prefill_page_table(page_table_row, T, S, self.block_size)
-        t, prog = self._prefill(tokens, 0, [pt], None, None, T, kv_cache, owners)
+        t, prog = self._prefill(tokens, 0, [pt], None, None, T, kv_cache, owners, embeddings, image_blocks)
         return t if return_all else _logits(t, prog)[:T]
 
-    def _prefill(self, tokens, chunk_start, page_tables, chunk_page_tables, modulo, valid_len, kv_cache, owners):
+    def _prefill(self, tokens, chunk_start, page_tables, chunk_page_tables, modulo, valid_len, kv_cache, owners,
+                 embeddings=None, image_blocks=None):
         T = tokens.shape[0]
         S = padded_prefill_len(T)
         if chunk_start + S > self.max_seq_len:
             raise ValueError(f"prompt of {T} tokens from {chunk_start} pads to {chunk_start + S} > "
                              f"max_seq_len={self.max_seq_len}")
         per_layer = _per_layer(page_tables)
-        prog = self.program("prefill", S, chunk_start, per_layer, modulo)
-        ids = np.zeros((1, S), np.uint32)
-        ids[0, :T] = tokens
-        inputs = {"tokens": ids, "rope_pos": (chunk_start + np.arange(S, dtype=np.uint32))[None]}
+        prog = self.program("prefill", S, chunk_start, per_layer, modulo, embeddings is not None,
+                            image_blocks is not None)
+        inputs = {"rope_pos": (chunk_start + np.arange(S, dtype=np.uint32))[None]}
+        if embeddings is None:
+            ids = np.zeros((1, S), np.uint32)
+            ids[0, :T] = tokens
+            inputs["tokens"] = ids
+        else:  # host -> device as the input's dtype (bf16), as ttnn.from_torch would
+            emb = np.asarray(embeddings, np.float32)
+            D = self.config.hidden_size
+            if emb.shape[0] < T or emb.shape[1:] != (D,):
+                raise ValueError(f"embeddings must be [{T}, {D}] (one row per prompt token), got {list(emb.shape)}")
+            x = np.zeros((1, 1, S, D), np.float32)
+            x[0, 0, :T] = emb[:T]
+            inputs["embeddings"] = self._store(x, prog.tensors["embeddings"].dtype, "host")
+        if image_blocks is not None:
+            if chunk_start:
+                raise NotImplementedError("a masked (image-block) prefill runs whole prompts from position 0")
+            inputs |= {n: self._store(m, prog.tensors[n].dtype, "host")
+                       for n, m in attention_masks(self.config, np.asarray(image_blocks)[:T], S).items()}
         inputs |= _tables("page_table", page_tables, per_layer, self.config.num_layers)
         if chunk_start:
             inputs |= _tables("chunk_page_table", chunk_page_tables, per_layer, self.config.num_layers)
@@ -208,11 +232,12 @@ class VLLMExecutor:
         return m if any(x for x in m) else None
 
     def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
-                kv_cache, cache_position_modulo, owners):
+                kv_cache, cache_position_modulo, owners, embeddings=None, image_blocks=None):
         tokens = np.asarray(tokens).reshape(-1)
         t, prog = self.executor._prefill(tokens, int(chunk_start), list(page_tables),
                                          None if chunk_page_tables is None else list(chunk_page_tables),
-                                         self._modulo(cache_position_modulo), int(valid_seq_len), kv_cache, owners)
+                                         self._modulo(cache_position_modulo), int(valid_seq_len), kv_cache, owners,
+                                         embeddings, image_blocks)
         return _logits(t, prog)[int(last_token_idx)]
 
     def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners):

@@ -221,13 +221,16 @@ def paged_update_cache(env, cache, input_tensor, *, update_idxs_tensor, page_tab
 
 
 # ------------------------------------------------------------------------------------ attention
-def _softmax_attend(env, q, k, v, allowed, scale, sink, cfg):
+def _softmax_attend(env, q, k, v, allowed, scale, sink, cfg, bias=None):
     """q [G, r, Tq, d] against k/v [G, Tk, d] (G kv heads, r query heads each); allowed [Tq, Tk] or
-    [r?]; sink [G, r] logits or None. Scores fp32, softmax fp32, P rounded to bf16 before P@V at full."""
+    [r?]; sink [G, r] logits or None; bias [Tq, Tk] an additive mask (added to the scaled scores). Scores fp32,
+    softmax fp32, P rounded to bf16 before P@V at full."""
     G, r, Tq, d = q.shape
     # [G, r*Tq, d] @ [G, d, Tk]: contiguous 3-D batches keep NumPy on its BLAS path
     s = matmul(np.ascontiguousarray(q).reshape(G, r * Tq, d), np.ascontiguousarray(np.swapaxes(k, -1, -2)),
                env.level, cfg).reshape(G, r, Tq, -1) * F32(scale)
+    if bias is not None:
+        s = s + bias.astype(F32)
     s = np.where(allowed, s, -np.inf)
     m = s.max(-1, keepdims=True)
     if sink is not None:
@@ -252,14 +255,30 @@ def scaled_dot_product_attention(env, input_tensor_q, input_tensor_k, input_tens
                                  attn_mask=None, scale=None, sliding_window_size=None, attention_sink=None,
                                  compute_kernel_config=None, program_config=None, memory_config=None):
     """q [1, H, S, d], k/v [1, K, S, d] -> [1, H, S, d]; grouped heads, causal, optional window of
-    `sliding_window_size` keys (the query and the W-1 before it) and per-head sink logits."""
-    if not is_causal or attn_mask is not None:
-        raise NotImplementedError("only causal prefill attention is emulated")
+    `sliding_window_size` keys (the query and the W-1 before it) and per-head sink logits. With
+    ``is_causal=False`` an additive ``attn_mask`` [1, 1, S, S] (heads broadcast) decides what each query sees."""
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: attn_mask needs is_causal=False (ttnn asserts it)")
     _, H, S, d = input_tensor_q.shape
     K = input_tensor_k.shape[1]
     q = input_tensor_q[0].reshape(K, H // K, S, d)
     sink, sc = _sink(attention_sink, H, K), scale if scale is not None else d**-0.5
     out = np.empty((K, H // K, S, d), F32)
+    if not is_causal:
+        if attn_mask is None:
+            raise NotImplementedError("non-causal prefill attention without a mask is not emulated")
+        mask = np.asarray(attn_mask, F32)
+        if mask.shape != (1, 1, S, S):
+            raise ValueError(f"attn_mask must be [1, 1, {S}, {S}], got {list(mask.shape)}")
+        if sliding_window_size:
+            raise NotImplementedError("attn_mask together with sliding_window_size is not emulated (how ttnn "
+                                      "combines them is unverified): put the window into the mask")
+        allowed = np.ones((1, S), bool)
+        for r0 in range(0, S, 256):
+            r1 = min(S, r0 + 256)
+            out[:, :, r0:r1] = _softmax_attend(env, q[:, :, r0:r1], input_tensor_k[0], input_tensor_v[0], allowed,
+                                               sc, sink, compute_kernel_config, bias=mask[0, 0, r0:r1])
+        return out.reshape(1, H, S, d)
     for r0 in range(0, S, 256):  # query blocks bound the [S, S] score memory (values are unchanged)
         r1 = min(S, r0 + 256)
         k0 = max(0, r0 - sliding_window_size + 1) if sliding_window_size else 0  # keys no query here can see
