@@ -101,10 +101,17 @@ def visible(positions, n: int, r: int):
     return jnp.arange(n) < ((positions + 1) // r)[..., None]
 
 
-def index_scores(q, k, w):
-    """sum_h relu(q_h . k_t) * w_h in fp32: q [B, T, HI, dI], k [B, N, dI], w [B, T, HI] -> [B, T, N]."""
-    s = jnp.einsum("bthd,bnd->bthn", q.astype(F32), k.astype(F32))
-    return jnp.einsum("bthn,bth->btn", jax.nn.relu(s), w.astype(F32))
+def index_scores(q, k, w, dtype=F32):
+    """sum_h relu(q_h . k_t) * w_h: q [B, T, HI, dI], k [B, N, dI], w [B, T, HI] -> [B, T, N] (fp32).
+
+    dtype bfloat16 rounds where the reference's bf16 einsums do (spec §5.4, §15), so that near-ties pick what
+    it picks: q.k (fp32 accumulation) to bf16, w to bf16, their product to bf16, the head sum to bf16."""
+    if dtype == F32:
+        s = jnp.einsum("bthd,bnd->bthn", q.astype(F32), k.astype(F32))
+        return jnp.einsum("bthn,bth->btn", jax.nn.relu(s), w.astype(F32))
+    s = jnp.einsum("bthd,bnd->bthn", q.astype(dtype), k.astype(dtype), preferred_element_type=F32).astype(dtype)
+    prod = jax.nn.relu(s) * w.astype(dtype)[..., None]
+    return jnp.sum(prod.astype(F32), axis=2).astype(dtype).astype(F32)
 
 
 def top_k_mask(scores, k: int):
@@ -308,7 +315,9 @@ def _indexer(cfg, m, rope_spec, ip, x, qr, ctx, cache, state, vis):
     qi = linear(ctx, qr, ip["wq_b"]).reshape(B, T, HI, dI)
     qi = quant(rope.apply(qi, cos[:, :, None], sin[:, :, None], True))
     w = linear(ctx, x, ip["weights_proj"], fp8=False).astype(F32) * (dI ** -0.5 * HI ** -0.5)
-    scores = jnp.where(vis, index_scores(qi, state["index_k"], w), NEG)
+    # reference numerics over bf16 activations score as the reference does: in bf16
+    dtype = x.dtype if ctx["act_block"] and x.dtype == jnp.bfloat16 else F32
+    scores = jnp.where(vis, index_scores(qi, state["index_k"], w, dtype), NEG)
     if m.candidate_source:
         state["candidates"] = candidate_blocks(scores, vis, m.candidate_blocks, m.candidate_block_size)
     if m.candidate_filter:

@@ -466,3 +466,27 @@ def test_v41_bfloat16_within_bound(v41):
     out = np.asarray(_jit_forward(cfg)(jax.tree.map(jnp.asarray, bf), jnp.asarray(ids, jnp.int32)))
     err = np.abs(out - ref).max(-1) / (ref.max(-1) - ref.min(-1))
     assert np.mean(err <= 0.06) >= 0.9
+
+
+def test_index_scores_round_as_the_reference_in_bf16():
+    """Reference numerics over bf16 activations score in bf16 as the reference's einsums do (spec §5.4, §15;
+    issue #13 §4): q.k accumulated in fp32 then rounded, the scaled head weights rounded, their product
+    rounded, the head sum rounded. Expected values from NumPy with ml_dtypes, step by step."""
+    from ml_dtypes import bfloat16 as bf16
+
+    from jaxmodels.layers import mla
+
+    rng = np.random.default_rng(0)
+    B, T, N, HI, dI = 2, 24, 40, 8, 32
+    q = rng.standard_normal((B, T, HI, dI)).astype(bf16)
+    k = rng.standard_normal((B, N, dI)).astype(bf16)
+    w = (rng.standard_normal((B, T, HI)).astype(bf16).astype(np.float32) * np.float32(dI ** -0.5 * HI ** -0.5))
+    s = np.einsum("bthd,bnd->bthn", q.astype(np.float32), k.astype(np.float32)).astype(bf16).astype(np.float32)
+    prod = (np.maximum(s, 0) * w.astype(bf16).astype(np.float32)[..., None]).astype(bf16).astype(np.float32)
+    want = prod.sum(axis=2, dtype=np.float32).astype(bf16).astype(np.float32)
+    got = np.asarray(mla.index_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), jnp.bfloat16))
+    assert np.array_equal(got, want)
+    fp32 = np.asarray(mla.index_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w)))
+    assert np.abs(fp32 - want).max() > 0  # the rounding is not the fp32 scores'
+    picks = lambda x: np.sort(np.argsort(-x, axis=-1, kind="stable")[..., :8], axis=-1)  # noqa: E731
+    assert (picks(fp32) != picks(want)).any(axis=-1).any()  # and it changes some top-8 selections
