@@ -8,7 +8,7 @@ from jaxmodels.config import AttentionSpec, LayerSpec, MLPSpec, ModelConfig
 from jaxmodels.families import _common as c
 
 NAMES = {
-    **{k: v for k, v in c.LLAMA_NAMES.items() if ".mlp." not in k},
+    **{k: v for k, v in c.LLAMA_NAMES.items() if r"\.mlp\." not in k},  # the keys are regexes
     r"model\.layers\.{i}\.self_attn\.sinks": ("attn/sinks", "copy"),
     r"model\.layers\.{i}\.mlp\.router\.weight": ("mlp/router", "T"),
     r"model\.layers\.{i}\.mlp\.router\.bias": ("mlp/router_bias", "copy"),

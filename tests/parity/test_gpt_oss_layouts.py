@@ -91,3 +91,19 @@ def test_openai_original_layout(quantized, tmp_path):
         "rope_theta": rp["rope_theta"], "rope_scaling_factor": rp["factor"], "rope_ntk_alpha": rp["beta_slow"],
         "rope_ntk_beta": rp["beta_fast"]}))
     _compare(hf, converters.convert(src, tmp_path / "out", dtype="float32", progress=False))
+
+
+def test_dense_mlp_names_are_not_gpt_oss_names(tmp_path):
+    """GPT-OSS has only experts: a Llama-style dense MLP tensor in its checkpoint is refused by name (the
+    family's name table once inherited Llama's MLP rules: its filter compared regex keys with a plain string)."""
+    from converters.safetensors_io import CheckpointError
+
+    hf = ref.build(ref.tiny_config("gpt_oss"), seed=3)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    sd["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(hf.config.intermediate_size, hf.config.hidden_size)
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file(sd, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.gate_proj\.weight'"):
+        converters.read_source(src, progress=False)
