@@ -63,9 +63,22 @@ def filter_logits(logits, s: Sampling):
     return logits
 
 
+def scale(logits, temperature):
+    """logits [B, V] / temperature (a scalar or [B, 1]) in float32 without overflow: each row is shifted so
+    that its largest logit is 0 first (a temperature of 1e-40 would otherwise make them inf, and the softmax
+    NaN), and the temperature is kept within [1e-30, 1e30] (1e300 would become inf in float32, 1e-38 is
+    subnormal, flushed to 0 on CPU/GPU; either way -inf or 0 logits would turn NaN)."""
+    x = logits.astype(jnp.float32)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    if isinstance(temperature, numbers.Real):  # clipped before float32 sees it (1e300 would warn as it overflows)
+        temperature = min(max(float(temperature), 1e-30), 1e30)
+    t = jnp.clip(jnp.asarray(temperature, jnp.float32), 1e-30, 1e30)  # reciprocals stay normal (no FTZ)
+    return (x - jnp.where(jnp.isfinite(top), top, 0.0)) / t
+
+
 def sample(logits, key, s: Sampling):
     """logits [B, V] -> token ids [B] int32."""
     if s.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = filter_logits(logits.astype(jnp.float32) / s.temperature, s)
+    logits = filter_logits(scale(logits, s.temperature), s)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

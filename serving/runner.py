@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels import cache as kv, model as M
+from jaxmodels import cache as kv, model as M, sampling
 from jaxmodels.layers import vision
 from jaxmodels.cache import Cache
 from serving.kv_pool import Group
@@ -121,7 +121,7 @@ def _sample(logits, counts, rows, s, *, sampled: bool, filtered: bool, penalized
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if sampled:
         hot = s["temperature"] > 0
-        x = logits / jnp.where(hot, s["temperature"], 1.0)[:, None]
+        x = sampling.scale(logits, jnp.where(hot, s["temperature"], 1.0)[:, None])
         if filtered:  # two sorts of the vocabulary: only when a row asks for top-k / top-p / min-p
             x = _filter(x, s["top_k"], s["top_p"], s["min_p"])
         keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(s["seed"], s["index"])

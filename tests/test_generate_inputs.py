@@ -100,6 +100,36 @@ def test_nan_temperature_is_refused_by_sampling():
         Sampling(float("nan"))
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8])
+def test_a_tiny_temperature_samples_the_argmax(temperature):
+    """Tiny temperatures tend to greedy: logits / 1e-40 overflowed to inf, the softmax gave NaN and token 0
+    came out every time. Both samplers (jm.generate's and the serving engine's per-row one) scale alike."""
+    import jax
+
+    from jaxmodels.sampling import sample
+    from serving.runner import _sample
+
+    logits = jax.numpy.asarray(np.random.default_rng(0).standard_normal((4, V)).astype(np.float32) * 30)
+    want = np.argmax(np.asarray(logits), axis=-1)
+    for seed in range(4):
+        assert (np.asarray(sample(logits, jax.random.PRNGKey(seed), Sampling(temperature))) == want).all()
+    rows = np.arange(4)
+    s = {"temperature": np.full(4, temperature, np.float32), "seed": rows, "index": rows}
+    tok = _sample(logits, None, rows, s, sampled=True, filtered=False, penalized=False, top_n=0)[0]
+    assert (np.asarray(tok) == want).all()
+
+
+def test_a_huge_temperature_is_uniform_not_nan():
+    import jax
+
+    from jaxmodels.sampling import sample
+
+    logits = jax.numpy.asarray([[0.0, 5.0, -jax.numpy.inf, 1.0]] * 512)
+    got = np.asarray(sample(logits, jax.random.PRNGKey(0), Sampling(1e300)))
+    counts = np.bincount(got, minlength=4)
+    assert counts[2] == 0 and all(c > 100 for c in counts[[0, 1, 3]])  # 1/3 each, never the -inf token
+
+
 # ------------------------------------------------------------------------------------------ stops
 def test_empty_and_malformed_stops_are_refused(tiny):
     for stop, what in (([""], "stop 0 is an empty string"), ("", "stop 0 is an empty string"),
