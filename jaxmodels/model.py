@@ -186,8 +186,9 @@ def _constrain(shard, x, names):
     return x if shard is None else shard.constrain(x, names)
 
 
-def _rope_tables(cfg: ModelConfig, positions, dtype) -> dict:
-    """cos/sin per (RopeSpec, rotated width) the kinds use: GQA in the activation dtype, MLA in fp32."""
+def _rope_tables(cfg: ModelConfig, positions, dtype, valid=None) -> dict:
+    """cos/sin per (RopeSpec, rotated width) the kinds use: GQA in the activation dtype, MLA in fp32. valid: the
+    real (unpadded) tokens, or None for all."""
     out = {}
     for spec in plan(cfg).kinds:
         a = spec.attention
@@ -195,7 +196,7 @@ def _rope_tables(cfg: ModelConfig, positions, dtype) -> dict:
             continue
         dim, dt = (a.mla.rope_dim, F32) if a.kind == "mla" else (cfg.head_dim, dtype)
         if (a.rope, dim) not in out:
-            out[(a.rope, dim)] = rope.cos_sin(a.rope, dim, positions, dt, cfg.max_position_embeddings)
+            out[(a.rope, dim)] = rope.cos_sin(a.rope, dim, positions, dt, cfg.max_position_embeddings, valid)
     return out
 
 
@@ -249,8 +250,10 @@ def hidden(params, cfg: ModelConfig, tokens, positions, mode: str, cache=None, l
         elif "features" in images:  # encoded already (the server: the rows of this chunk's image tokens)
             x = vision.splice(x, images["image_mask"], None, images["features"], images["valid"])
     x = _constrain(shard, x, ("batch", None, None))
+    padded = mode in ("prefill", "extend") and lengths is not None
+    real = jnp.arange(tokens.shape[1]) < lengths[:, None] if padded else None  # right-padded rows
     ctx = {"positions": positions, "mode": mode, "lengths": lengths, "start": start, "unroll": unroll, "shard": shard,
-           "tokens": tokens, "rope": _rope_tables(cfg, positions, x.dtype), "blocks": blocks, "cross": cross,
+           "tokens": tokens, "rope": _rope_tables(cfg, positions, x.dtype, real), "blocks": blocks, "cross": cross,
            "act_block": cfg.quant_block if cfg.numerics == "reference" else None}
     carry = {"x": x, "state": {}, "cache": cache}
     if cfg.mhc is not None:

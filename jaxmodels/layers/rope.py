@@ -63,13 +63,16 @@ def _yarn(spec: RopeSpec, dim: int) -> tuple[np.ndarray, float]:
     return (inv_interp * (F32(1) - extrap) + inv_extrap * extrap).astype(F32), float(af)
 
 
-def cos_sin(spec: RopeSpec, dim: int, positions, dtype, max_position: int | None = None):
-    """cos, sin of shape positions.shape + (dim/2,), scaled by the attention factor, cast to `dtype`."""
+def cos_sin(spec: RopeSpec, dim: int, positions, dtype, max_position: int | None = None, valid=None):
+    """cos, sin of shape positions.shape + (dim/2,), scaled by the attention factor, cast to `dtype`.
+    valid (bool, positions' shape): the real tokens, whose last position sets dynamic NTK's base (padding's
+    positions must not stretch it, as HF's unpadded run would not)."""
     inv, af = inv_freq(spec, dim)
     inv = jnp.asarray(inv)
     if spec.kind == "dynamic":  # NTK: stretch the base once the sequence outgrows the trained length
         old = spec.original_max_position or max_position
-        seq = jnp.maximum(jnp.max(positions) + 1, old).astype(jnp.float32)
+        last = jnp.max(positions if valid is None else jnp.where(valid, positions, 0))
+        seq = jnp.maximum(last + 1, old).astype(jnp.float32)
         base = spec.theta * ((spec.factor * seq / old) - (spec.factor - 1)) ** (dim / (dim - 2))
         inv = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     ang = positions.astype(jnp.float32)[..., None] * inv

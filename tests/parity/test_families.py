@@ -102,6 +102,23 @@ def test_bf16_forward_close_to_hf_fp32(pair, tmp_path):
     assert (got.argmax(-1) == want.argmax(-1))[clear].all()
 
 
+def test_dynamic_ntk_base_ignores_padding(tmp_path):
+    """Dynamic NTK stretches its base by the longest *real* sequence: a prompt shorter than the trained length,
+    right-padded past it (generate() buckets prompt lengths; a batch-mate may be longer), prefills as HF runs
+    it unpadded. The padding's positions set the base before (2e-2 off here)."""
+    cfg = {**ref.tiny_config("llama"), "rope_scaling": {"rope_type": "dynamic", "factor": 4.0},
+           "max_position_embeddings": 24}
+    hf = ref.build(cfg, seed=5)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = jm.load(tmp_path / "hf")
+    ids = _ids(seed=7)[:, :20]
+    want = ref.logits(hf, ids)[:, -1]
+    cache = M.init_cache(ours.config, 2, 48, jnp.float32)
+    padded = jnp.asarray(np.pad(ids, ((0, 0), (0, 20))))  # 40 slots, past the trained 24
+    got, _ = M.prefill(ours.params, ours.config, padded, jnp.asarray([20, 20], jnp.int32), cache)
+    assert np.abs(np.asarray(got) - want).max() <= ATOL
+
+
 @pytest.mark.parametrize("rope_scaling", [
     {"rope_type": "dynamic", "factor": 4.0},
     {"rope_type": "linear", "factor": 3.0},
