@@ -23,9 +23,7 @@ __all__ = ["convert", "export", "read_source", "read_source_sharded", "open_sour
 
 def open_source(src: str | Path):
     """(config, reader, family, tokenizer or None) of a checkpoint; reads no tensor data."""
-    src = Path(src)
-    if not src.exists():
-        raise FileNotFoundError(f"checkpoint {src} does not exist")
+    src = files.locate(src)
     if src.suffix == ".gguf" and not src.is_dir():  # a FIFO or device too: GGUFFile names it
         from converters.gguf_io import GGUFReader
 
@@ -110,6 +108,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite
     """
     from converters import orbax_io
 
+    src = files.locate(src)
     orbax_io.check_destination(dst, src, overwrite)
     cfg, reader, fam, tok = open_source(src)
     items = source_items(cfg, reader, fam, tok, dtype, keep_quantized, skip_mtp)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels import checkpoint, model as _model, multimodal, plan as _plan, sharding
+from jaxmodels import checkpoint, files, model as _model, multimodal, plan as _plan, sharding
 from jaxmodels.layers import vision as _vision
 from jaxmodels.config import AttentionSpec, LayerSpec, MLPSpec, ModelConfig, RopeSpec
 from jaxmodels.generate import GenerateOutput, generate
@@ -53,9 +53,9 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
     that sharding, each device reading only its shards. dtype: cast the floating parameters (those the plan
     keeps fp32, e.g. mHC mixes and sinks, stay fp32). verify: check a converted directory's files against the
     checksums written at conversion (one more read of the files, on process 0; a few % of the restore when the
-    page cache holds them).
+    page cache holds them). path may also be a Hugging Face repo id in the local hub cache (`files.locate`).
     """
-    path = Path(path)
+    path = files.locate(path)
     if checkpoint.is_converted(path):
         cfg = checkpoint.load_config(path)
         sharding_of = None

@@ -36,11 +36,9 @@ def describe(path: str | Path) -> dict:
     """Architecture, layer plan, parameter count and bytes of a converted dir or a source checkpoint."""
     from jaxmodels import checkpoint, families, files, plan
 
-    path = Path(path)
+    path = files.locate(path)
     if checkpoint.is_converted(path):
         cfg, dtype = checkpoint.load_config(path), checkpoint.load_meta(path).get("dtype")
-    elif not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
     elif path.suffix == ".gguf":
         from converters.gguf_io import GGUFReader
 

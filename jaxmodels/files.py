@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path, PurePath
 
@@ -13,6 +14,31 @@ MAX_TOKENIZER_BYTES = 256 << 20  # tokenizer.json (the largest vocabularies: ~35
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be imported; the message names the file or tensor."""
+
+
+REPO_ID = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?$")  # org/name or org/name@revision
+
+
+def locate(src: str | Path) -> Path:
+    """The checkpoint `src` names: a path that exists, or a Hugging Face repo id (`org/name`, `org/name@rev`)
+    found in the local hub cache ($HF_HUB_CACHE, else huggingface_hub's default). Never downloads (no network
+    at run time). FileNotFoundError, in one line, when it is neither."""
+    path = Path(src)
+    if path.exists():
+        return path
+    m = REPO_ID.match(str(src))
+    if m is None:
+        raise FileNotFoundError(f"checkpoint {src} does not exist")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    cache = os.environ.get("HF_HUB_CACHE") or HF_HUB_CACHE
+    try:
+        return Path(snapshot_download(m[1], revision=m[2], cache_dir=cache, local_files_only=True))
+    except (OSError, ValueError) as e:  # LocalEntryNotFoundError is an OSError; a bad id a ValueError
+        raise FileNotFoundError(f"checkpoint {src}: no such path, and {m[1]}{'@' + m[2] if m[2] else ''} is not in "
+                                f"the local Hugging Face cache {cache} (download it first, e.g. `hf download "
+                                f"{m[1]}`; nothing is fetched at run time)") from None
 
 
 def _area(root: Path) -> Path:

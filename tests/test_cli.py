@@ -61,3 +61,37 @@ def test_errors_are_one_clear_line(tmp_path):
     r = run("convert", str(tmp_path / "nope"), str(tmp_path / "out"))
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_repo_ids_come_from_the_local_hub_cache(hf_dir, tmp_path, monkeypatch):
+    """`jaxmodels convert ORG/NAME` and jm.load(ORG/NAME[@rev]) read the local Hugging Face cache's snapshot
+    (files linked to ../../blobs, as huggingface_hub lays it out); a repo id not cached is one clear line."""
+    import numpy as np
+
+    import jaxmodels as jm
+
+    cache, rev = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--acme--tiny-qwen3"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    for f in hf_dir.iterdir():
+        (repo / "blobs" / f.name).write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(f"../../blobs/{f.name}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    ids = np.array([[5, 6, 7, 8]], np.int32)
+    want = np.asarray(jm.forward(jm.load(hf_dir), ids))
+    for name in ("acme/tiny-qwen3", f"acme/tiny-qwen3@{rev}", "acme/tiny-qwen3@main"):
+        assert np.array_equal(np.asarray(jm.forward(jm.load(name), ids)), want)
+    r = subprocess.run([sys.executable, "-m", "jaxmodels.cli", "convert", "acme/tiny-qwen3", str(tmp_path / "out"),
+                        "--dtype", "float32"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(np.asarray(jm.forward(jm.load(tmp_path / "out"), ids)), want)
+    for missing in ("acme/absent", "acme/tiny-qwen3@no-such-revision"):
+        r = subprocess.run([sys.executable, "-m", "jaxmodels.cli", "inspect", missing], capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "not in the local Hugging Face cache" in r.stderr and str(cache) in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
