@@ -51,12 +51,18 @@ VISION_NAMES = {
 RENAMES = (*c.PREFIXES, (r"^model\.(vision_model|multi_modal_projector)\.", r"\1."))
 
 
+def _given(d: dict, key: str, default):
+    """d[key], or HF's default only when the key is absent or null (an empty list means none)."""
+    value = d.get(key)
+    return default if value is None else value
+
+
 def config(hf: dict) -> ModelConfig:
     text = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 40, "num_attention_heads": 32,
             "num_key_value_heads": 8, "intermediate_size": 14336, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
             "max_position_embeddings": 131072, "bos_token_id": 128000, "eos_token_id": 128001,
             "pad_token_id": 128004, **(hf.get("text_config") or {})}
-    cross = set(text.get("cross_attention_layers") or (3, 8, 13, 18, 23, 28, 33, 38))
+    cross = set(_given(text, "cross_attention_layers", (3, 8, 13, 18, 23, 28, 33, 38)))
     if not cross <= set(range(text["num_hidden_layers"])):
         raise ValueError(f"cross_attention_layers {sorted(cross)} name layers past the {text['num_hidden_layers']}")
     base = llama.config(text)
@@ -71,8 +77,8 @@ def config(hf: dict) -> ModelConfig:
         image_token_id=hf.get("image_token_index", hf.get("image_token_id", 128256)), image_size=vc["image_size"],
         activation=c.activation(vc["hidden_act"]), norm_eps=vc["norm_eps"], global_layers=vc["num_global_layers"],
         max_tiles=vc["max_num_tiles"],
-        aspect_ratios=tuple(map(tuple, vc.get("supported_aspect_ratios") or ASPECT_RATIOS)),
-        intermediate_layers=tuple(vc.get("intermediate_layers_indices") or (3, 7, 15, 23, 30)))
+        aspect_ratios=tuple(map(tuple, _given(vc, "supported_aspect_ratios", ASPECT_RATIOS))),
+        intermediate_layers=tuple(_given(vc, "intermediate_layers_indices", (3, 7, 15, 23, 30))))
     out = vc.get("vision_output_dim", vision.hidden_size * (1 + len(vision.intermediate_layers)))
     if out != vision.hidden_size * (1 + len(vision.intermediate_layers)):
         raise ValueError(f"vision_output_dim {out} is not hidden_size x (1 + intermediate layers)")

@@ -251,3 +251,21 @@ def test_depth_does_not_grow_the_program():
         args = (np.zeros((1, 1, 4, 3, 28, 28), np.float32), np.ones((1, 1), np.int32), np.ones((1, 1, 4), np.int32))
         return len(jax.make_jaxpr(lambda p, *a: mllama_vision.encode(v, p, *a))(p, *args).eqns)
     assert eqns(2) == eqns(8)
+
+
+def test_cross_attention_layers_default_only_when_absent():
+    """HF's MllamaTextConfig fills its default list only when the key is absent or null: [] means a text model
+    without cross-attention layers (it was taken for absent)."""
+    from transformers import MllamaConfig
+
+    from jaxmodels.families import mllama
+
+    def cross(text):
+        cfg = mllama.config({"model_type": "mllama", "text_config": text})
+        return [i for i, s in enumerate(cfg.layers) if s.attention.kind == "cross"]
+
+    hf = MllamaConfig(text_config={"num_hidden_layers": 40}).text_config.cross_attention_layers
+    assert cross({"num_hidden_layers": 40}) == sorted(hf)
+    assert cross({"num_hidden_layers": 40, "cross_attention_layers": None}) == sorted(hf)
+    assert cross({"num_hidden_layers": 40, "cross_attention_layers": []}) == []
+    assert MllamaConfig(text_config={"cross_attention_layers": []}).text_config.cross_attention_layers == []
