@@ -143,7 +143,7 @@ def export(src, hf_dir: str | Path, dtype: str | None = None, overwrite: bool = 
     from converters.hf import np_dtype
     from jaxmodels import checkpoint
 
-    path = None if hasattr(src, "config") and hasattr(src, "params") else Path(src)
+    path = None if hasattr(src, "config") and hasattr(src, "params") else files.locate(src)
     if dtype is not None:
         np_dtype(dtype)
     hf_export.shard_bytes(max_shard_size)

@@ -194,7 +194,10 @@ def _serve(args) -> int:
 
     logging.getLogger("jaxmodels").setLevel(logging.INFO)
     engine = Engine(jm.load(args.model, dtype=args.dtype), config)
-    name = args.served_model_name or Path(args.model).resolve().name
+    from jaxmodels import files
+
+    repo_id = not Path(args.model).exists() and files.REPO_ID.match(args.model)
+    name = args.served_model_name or (repo_id[1] if repo_id else Path(args.model).resolve().name)
     app = build_app(engine, name, api_key=args.api_key, max_waiting=args.max_waiting)
     host, port = sock.getsockname()[:2]
     print(f"serving {name!r} on http://{host}:{port}/v1" + (" (API key required)" if args.api_key else ""),
@@ -208,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("convert", help="convert a checkpoint (HF dir, .gguf, PyTorch .bin) to the jaxmodels format")
-    c.add_argument("src", help="HF model directory (config.json + safetensors/.bin) or a .gguf file")
+    c.add_argument("src", help="HF model directory (config.json + safetensors/.bin), a .gguf file, or ORG/NAME[@REV] in the local HF cache")
     c.add_argument("dst", help="output directory (written atomically)")
     c.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="parameter dtype (default: bfloat16)")
     c.add_argument("--force", action="store_true",

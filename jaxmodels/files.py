@@ -20,25 +20,30 @@ REPO_ID = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?$")  # org/n
 
 
 def locate(src: str | Path) -> Path:
-    """The checkpoint `src` names: a path that exists, or a Hugging Face repo id (`org/name`, `org/name@rev`)
-    found in the local hub cache ($HF_HUB_CACHE, else huggingface_hub's default). Never downloads (no network
-    at run time). FileNotFoundError, in one line, when it is neither."""
+    """The checkpoint `src` names: a path that exists, or a Hugging Face repo id (`org/name`, `org/name@rev`
+    with a branch, tag or commit) whose snapshot is in the local hub cache ($HF_HUB_CACHE, else
+    huggingface_hub's default). Never downloads (no network at run time). A snapshot downloaded in part
+    (`hf download --include ...`) counts: the import names any file it lacks. FileNotFoundError, in one line,
+    when it is neither."""
     path = Path(src)
     if path.exists():
         return path
     m = REPO_ID.match(str(src))
     if m is None:
         raise FileNotFoundError(f"checkpoint {src} does not exist")
-    from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    cache = os.environ.get("HF_HUB_CACHE") or HF_HUB_CACHE
-    try:
-        return Path(snapshot_download(m[1], revision=m[2], cache_dir=cache, local_files_only=True))
-    except (OSError, ValueError) as e:  # LocalEntryNotFoundError is an OSError; a bad id a ValueError
+    cache = Path(os.environ.get("HF_HUB_CACHE") or HF_HUB_CACHE)
+    repo, rev = cache / ("models--" + m[1].replace("/", "--")), m[2] or "main"
+    # the hub cache's layout: refs/<branch or tag> holds the commit, snapshots/<commit>/ the files
+    ref = repo / "refs" / rev
+    commit = rev if re.fullmatch(r"[0-9a-f]{40}", rev) else (ref.read_text().strip() if ref.is_file() else None)
+    snapshot = repo / "snapshots" / commit if commit and ".." not in Path(commit).parts else None
+    if snapshot is None or not snapshot.is_dir():
         raise FileNotFoundError(f"checkpoint {src}: no such path, and {m[1]}{'@' + m[2] if m[2] else ''} is not in "
                                 f"the local Hugging Face cache {cache} (download it first, e.g. `hf download "
-                                f"{m[1]}`; nothing is fetched at run time)") from None
+                                f"{m[1]}`; nothing is fetched at run time)")
+    return snapshot
 
 
 def _area(root: Path) -> Path:

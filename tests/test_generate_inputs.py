@@ -100,10 +100,11 @@ def test_nan_temperature_is_refused_by_sampling():
         Sampling(float("nan"))
 
 
-@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8])
+@pytest.mark.parametrize("temperature", [1e-40, 1e-37, 1e-30, 1e-8])
 def test_a_tiny_temperature_samples_the_argmax(temperature):
     """Tiny temperatures tend to greedy: logits / 1e-40 overflowed to inf, the softmax gave NaN and token 0
-    came out every time. Both samplers (jm.generate's and the serving engine's per-row one) scale alike."""
+    came out every time. Both samplers (jm.generate's and the serving engine's per-row one) scale alike; the
+    engine's takes float32 temperatures, where 1e-40 is subnormal (may read as 0: greedy), 1e-37 is not."""
     import jax
 
     from jaxmodels.sampling import sample

@@ -117,6 +117,12 @@ def test_dynamic_ntk_base_ignores_padding(tmp_path):
     padded = jnp.asarray(np.pad(ids, ((0, 0), (0, 20))))  # 40 slots, past the trained 24
     got, _ = M.prefill(ours.params, ours.config, padded, jnp.asarray([20, 20], jnp.int32), cache)
     assert np.abs(np.asarray(got) - want).max() <= ATOL
+    # extend: 12 cached tokens, then row 0's last 8 in a 24-slot chunk (positions up to 35); row 1 adds none
+    _, cache = M.prefill(ours.params, ours.config, padded[:, :16], jnp.asarray([12, 12], jnp.int32),
+                         M.init_cache(ours.config, 2, 48, jnp.float32))
+    chunk = jnp.asarray(np.pad(ids[:, 12:], ((0, 0), (0, 16))))
+    got, _ = M.extend(ours.params, ours.config, chunk, jnp.asarray([12, 12]), jnp.asarray([8, 0]), cache)
+    assert np.abs(np.asarray(got)[0] - want[0]).max() <= ATOL
 
 
 @pytest.mark.parametrize("rope_scaling", [
