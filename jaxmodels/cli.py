@@ -211,7 +211,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("convert", help="convert a checkpoint (HF dir, .gguf, PyTorch .bin) to the jaxmodels format")
-    c.add_argument("src", help="HF model directory (config.json + safetensors/.bin), a .gguf file, or ORG/NAME[@REV] in the local HF cache")
+    c.add_argument("src", help="HF model directory (config.json + safetensors/.bin), a .gguf file, "
+                               "or ORG/NAME[@REV] in the local Hugging Face cache")
     c.add_argument("dst", help="output directory (written atomically)")
     c.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="parameter dtype (default: bfloat16)")
     c.add_argument("--force", action="store_true",

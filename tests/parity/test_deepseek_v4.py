@@ -147,7 +147,8 @@ def _hf_logits(hf, ids):
     finally:
         torch.Tensor.topk, hm.DeepseekV4IndexerScorer.forward, hm.DeepseekV4TopKRouter.forward = saved
     gaps = np.concatenate(boundary_gaps) if boundary_gaps else np.ones(1)
-    near = f"nearest ties: expert choice {min(router_gaps, default=1.0):.1e}, top-k {min(gaps[gaps > 0], default=1.0):.1e}"
+    inexact = min(gaps[gaps > 0], default=1.0)
+    near = f"nearest ties: expert choice {min(router_gaps, default=1.0):.1e}, top-k {inexact:.1e}"
     return logits, int(np.sum(gaps == 0)), near
 
 
