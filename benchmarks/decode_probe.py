@@ -87,8 +87,8 @@ def child(a):
         print(name, "unroll=True step ms", res["unroll_true_b1_step_ms"], flush=True)
     if not name.startswith("depth"):
         pre = jax.jit(M.prefill, static_argnums=1, compiler_options=opts)
-        for T in ([2048, 8192] if not a.tiny else [64]):
-            if name.startswith("gpt_oss") and T > 2048:
+        for T in ([2048, 8192, 16384] if not a.tiny else [64]):
+            if (name.startswith("gpt_oss") and T == 8192) or (name.startswith("llama") and T == 16384):
                 continue
             cache = M.init_cache(cfg, 1, T, dt)
             toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, T)), jnp.int32)
@@ -103,6 +103,13 @@ def child(a):
             print(name, "prefill", r, flush=True)
             res["prefill"].append(r)
             del cache
+    if name.startswith("gpt_oss"):  # a serving-sized batch: 128 prompts of 1024 tokens (MoE memory ~ routed rows)
+        B, T, new = (8, 64, 8) if a.tiny else (128, 1024, 32)
+        first = gen(B, T, new, None)
+        t = min(gen(B, T, new, None) for _ in range(2))
+        res["batch_generate"] = {"prompts": B, "prompt_tokens": T, "new_tokens": new, "first_call_s": round(first, 2),
+                                 "s": round(t, 3), "prompt_tok_s": round(B * T / t), "out_tok_s": round(B * new / t, 1)}
+        print(name, "batch generate", res["batch_generate"], flush=True)
     with open(os.path.join(a.out, f"probe_{name}.json"), "w") as fh:
         json.dump(res, fh, indent=1)
 

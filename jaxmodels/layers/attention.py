@@ -1,5 +1,7 @@
 """Grouped-query attention: projections, qk-norm, RoPE, causal / sliding-window masks from absolute positions,
 sinks and softcap, over the cache interface."""
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -60,17 +62,51 @@ def attend(q, k, v, allowed, *, scale: float, softcap: float | None = None, sink
     return o.reshape(b, tq, h, d).astype(q.dtype)
 
 
-def causal(q, k, v, *, scale: float, window: int | None = None):
+def causal(q, k, v, *, scale: float, window: int | None = None, sinks=None):
     """Causal (optionally sliding-window) attention of a whole sequence with itself through
     `jax.nn.dot_product_attention`: cuDNN's fused kernel on GPU for bf16/fp16, XLA elsewhere.
-    q [B, T, H, d], k/v [B, K, T, d] -> [B, T, H, d]. Same semantics as `attend` with `mask(pos, pos, window)`."""
+    q [B, T, H, d], k/v [B, K, T, d] -> [B, T, H, d]. Same semantics as `attend` with `mask(pos, pos, window)`.
+    sinks [H] (GPT-OSS): on the fused path cuDNN's output rescaled from its log-sum-exp; elsewhere `attend`."""
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":  # no f16 x f16 -> f32 dot there (einsum_f32)
-        return causal(q.astype(F32), k.astype(F32), v.astype(F32), scale=scale, window=window).astype(q.dtype)
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        f = lambda t: None if t is None else t.astype(F32)  # noqa: E731
+        return causal(f(q), f(k), f(v), scale=scale, window=window, sinks=f(sinks)).astype(q.dtype)
     fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)  # cuDNN: half types only
+    if sinks is not None:
+        if fused:
+            return _fused_sinks(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), sinks, scale, window)
+        pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+        return attend(q, k, v, mask(pos, pos, window), scale=scale, sinks=sinks)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                         local_window_size=None if window is None else (window - 1, 0),
                                         implementation="cudnn" if fused else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_sinks(q, k, v, sinks, scale, window):
+    """Causal attention with sinks from cuDNN, k/v [B, T, K, d]. A sink adds exp(sink) to the softmax denominator
+    and nothing to the numerator, so the output is cuDNN's times sigmoid(lse - sink), exactly. Gradients recompute
+    `attend` (cuDNN's backward ignores the log-sum-exp's cotangent)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention  # fp32 [B, H, T] lse
+
+    o, lse = dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL, sliding_window_length=window,
+                                   return_residual=True)
+    gate = jax.nn.sigmoid(lse.astype(F32) - sinks.astype(F32)[None, :, None]).transpose(0, 2, 1)
+    return (o.astype(F32) * gate[..., None]).astype(q.dtype)
+
+
+def _sinks_reference(q, k, v, sinks, scale, window):
+    pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+    return attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask(pos, pos, window), scale=scale,
+                  sinks=sinks)
+
+
+def _fused_sinks_bwd(scale, window, res, g):
+    return jax.vjp(lambda *a: _sinks_reference(*a, scale, window), *res)[1](g)
+
+
+_fused_sinks.defvjp(lambda q, k, v, sinks, scale, window: (_fused_sinks(q, k, v, sinks, scale, window),
+                                                           (q, k, v, sinks)), _fused_sinks_bwd)
 
 
 def unordered(q, k, v, allowed=None, *, scale: float):
@@ -135,8 +171,8 @@ def gqa(cfg, a, p, h, ctx, cache):
         if ctx.get("blocks") is not None:  # Gemma3 images: a token also sees later tokens of its own image
             o = attend(q, k, v, mask(pos, pos, a.window, blocks=ctx["blocks"]), scale=scale, softcap=a.softcap,
                        sinks=p.get("sinks"))
-        elif a.softcap is None and not a.sinks:  # the whole sequence: the library's fused path
-            o = causal(q, k, v, scale=scale, window=a.window)
+        elif a.softcap is None:  # the whole sequence: the library's fused path
+            o = causal(q, k, v, scale=scale, window=a.window, sinks=p.get("sinks"))
         else:
             o = attend(q, k, v, mask(pos, pos, a.window), scale=scale, softcap=a.softcap, sinks=p.get("sinks"))
     out = jnp.einsum("bthd,hdo->bto", o, p["wo"])

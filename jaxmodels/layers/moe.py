@@ -1,4 +1,4 @@
-"""Mixture of experts: routers as data, dropless grouped matmuls with `lax.ragged_dot`.
+"""Mixture of experts: routers as data, dropless grouped matmuls (`grouped.ragged_dot`).
 
 Every (token, expert) assignment is computed: tokens are sorted by expert and each expert's rows go
 through one grouped matmul. No capacity factor, nothing dropped. `dense` computes every expert on
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmodels.config import MLPSpec
-from jaxmodels.layers import mlp, qdq
+from jaxmodels.layers import grouped, mlp, qdq
 
 F32 = jnp.float32
 SCORES = {"softmax": lambda s: jax.nn.softmax(s, axis=-1), "sigmoid": jax.nn.sigmoid,
@@ -47,7 +47,7 @@ def route(spec: MLPSpec, p, x, tokens=None):
 def _expert_out(spec, p, x, e, ragged=None):
     """Gated expert MLP; `ragged` = group sizes for sorted rows, else x [E, N, D] per expert."""
     if ragged is not None:
-        mm = lambda a, w: jax.lax.ragged_dot(a, w, ragged)  # noqa: E731
+        mm = lambda a, w: grouped.ragged_dot(a, w, ragged)  # noqa: E731
     else:
         mm = lambda a, w: jnp.einsum("end,edf->enf", a, w)  # noqa: E731
     g, u = mm(x, p["w_gate"]), mm(x, p["w_up"])
@@ -94,7 +94,7 @@ def _routed(spec, p, xt, w, idx, first):
     """Sum of the assignments to the experts in `p` (global ids first ..); other assignments add 0.
 
     Few assignments (decode: tokens * top_k <= experts) gather just the chosen experts' weights (for experts
-    kept quantized: just their bytes); otherwise rows are sorted by expert into one grouped `ragged_dot` per
+    kept quantized: just their bytes); otherwise rows are sorted by expert into one grouped matmul per
     matrix (rows of other devices' experts sort last, past every group, and come out zero).
     """
     E = jax.tree.leaves(p["w_gate"])[0].shape[0]
