@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -286,7 +287,13 @@ def head(params, cfg: ModelConfig, x, shard=None):
     accumulates in fp32 without an fp32 copy of the [D, V] head."""
     h = norm(x, params["final_norm"], cfg.norm_eps, cfg.norm)
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    if h.dtype == w.dtype:
+    if h.dtype == w.dtype and jax.default_backend() == "gpu" and math.prod(h.shape[:-1]) < 8:
+        # XLA:GPU runs a one-row bf16 x bf16 -> fp32 product by converting the whole head to fp32 first (for
+        # Llama-8B 1.25 of a 6.5 ms decode step, profiled); 8 rows (zero padding) take the bf16 GEMM
+        rows = math.prod(h.shape[:-1])
+        h8 = jnp.pad(h.reshape(rows, -1), ((0, 8 - rows), (0, 0)))
+        logits = attention.einsum_f32("nd,dv->nv", h8, w)[:rows].reshape(*h.shape[:-1], -1)
+    elif h.dtype == w.dtype:
         logits = attention.einsum_f32("...d,dv->...v", h, w)
     else:
         logits = jnp.einsum("...d,dv->...v", h.astype(F32), w.astype(F32))

@@ -233,6 +233,22 @@ def test_all_tokens_pick_the_same_experts(router, renormalize, E, k, hot):
     np.testing.assert_allclose(ys, np_moe(spec, p, x), atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize("n,tile,ep", [(1, 4, False), (3, 8, True), (13, 4, False), (33, 16, True)])
+def test_tile_aligned_groups_equal_dense(monkeypatch, n, tile, ep):
+    """Where the GPU kernel runs, each expert's rows start on a tile boundary (zero rows pad its tiles), decode
+    included. Forced here on the CPU (lax.ragged_dot over the padded groups), with empty experts and, under expert
+    parallelism, other devices' rows: equals dense."""
+    from jaxmodels import sharding
+
+    monkeypatch.setattr(moe.grouped, "row_tile", lambda x, w: tile)
+    spec = spec_of(8, 2, "softmax_topk", True, router_bias=True, bias=True, shared=8)
+    p, x = forced(spec, [-40.0 if e in (0, 3, 7) else 0.0 for e in range(8)], n=n)
+    shard = sharding.Sharding.of(sharding.make_mesh("data=2,expert=4"), "ep") if ep else None
+    ys = jax.jit(lambda p, x: moe.sparse(spec, p, x, shard=shard))(p, x)
+    np.testing.assert_allclose(np.asarray(ys), np.asarray(moe.dense(spec, p, x)), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(ys), np_moe(spec, p, x), atol=ATOL, rtol=ATOL)
+
+
 # ------------------------------------------------------------------ routing semantics
 
 @pytest.mark.parametrize("router,renormalize", ROUTERS + [("topk_softmax", True)])

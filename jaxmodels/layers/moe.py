@@ -93,25 +93,35 @@ def sparse(spec: MLPSpec, p, x, shard=None, tokens=None, act_block: int | None =
 def _routed(spec, p, xt, w, idx, first):
     """Sum of the assignments to the experts in `p` (global ids first ..); other assignments add 0.
 
-    Few assignments (decode: tokens * top_k <= experts) gather just the chosen experts' weights (for experts
-    kept quantized: just their bytes); otherwise rows are sorted by expert into one grouped matmul per
-    matrix (rows of other devices' experts sort last, past every group, and come out zero).
+    Rows are sorted by expert into one grouped matmul per matrix; where the Mosaic GPU kernel runs, each expert's
+    rows start on a tile boundary (zero rows pad the tiles), so a step reads only the experts it routes to.
+    Elsewhere few assignments (decode: tokens * top_k <= experts) gather just the chosen experts' weights, and so
+    do experts kept quantized (just their bytes; their grouped path expands every expert once).
     """
     E = jax.tree.leaves(p["w_gate"])[0].shape[0]
     local = idx - first
     mine = (local >= 0) & (local < E)
     w = jnp.where(mine, w, 0)
-    if xt.shape[0] * spec.top_k <= E:
+    quantized = isinstance(p["w_gate"], dict)
+    tile = 1 if quantized else grouped.row_tile(xt, p["w_gate"])
+    n = xt.shape[0] * spec.top_k
+    if n <= E and tile == 1:
         return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1))
-    if isinstance(p["w_gate"], dict):  # kept quantized: expand every expert once, [E, in, out]
-        p = p | {n: jnp.swapaxes(qdq.dequant(p[n], xt.dtype), -1, -2) for n in ("w_gate", "w_up", "w_down")}
+    if quantized:  # expand every expert once, [E, in, out]
+        p = p | {k: jnp.swapaxes(qdq.dequant(p[k], xt.dtype), -1, -2) for k in ("w_gate", "w_up", "w_down")}
     flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    token = order // spec.top_k
-    expert = jnp.minimum(flat[order], E - 1)
+    token, sorted_e = order // spec.top_k, flat[order]
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
-    y = _expert_out(spec, p, xt[token], expert, ragged=sizes)
-    y = y * w.reshape(-1)[order][:, None]
+    padded = -(-sizes // tile) * tile  # each group's rows rounded up to whole tiles
+    rows = n + min(n, E) * (tile - 1)  # a static bound on sum(padded)
+    start, pstart = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded
+    e = jnp.minimum(sorted_e, E - 1)
+    dest = jnp.where(sorted_e < E, pstart[e] + jnp.arange(n) - start[e], rows)  # other devices' rows: dropped
+    xs = jnp.zeros((rows, xt.shape[1]), xt.dtype).at[dest].set(xt[token], mode="drop")
+    row_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(rows), side="right"), E - 1)
+    y = _expert_out(spec, p, xs, row_e, ragged=padded)
+    y = y.at[dest].get(mode="fill", fill_value=0) * w.reshape(-1)[order][:, None]
     return jnp.zeros_like(xt).at[token].add(y.astype(xt.dtype))
 
 
