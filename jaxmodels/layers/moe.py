@@ -93,11 +93,13 @@ def sparse(spec: MLPSpec, p, x, shard=None, tokens=None, act_block: int | None =
 def _routed(spec, p, xt, w, idx, first):
     """Sum of the assignments to the experts in `p` (global ids first ..); other assignments add 0.
 
-    Rows are sorted by expert into one grouped matmul per matrix; where the Mosaic GPU kernel runs with few
-    assignments (decode), each expert's rows start on a tile boundary (zero rows pad the tiles), so a step reads
-    only the experts it routes to.
-    Elsewhere few assignments (decode: tokens * top_k <= experts) gather just the chosen experts' weights, and so
-    do experts kept quantized (just their bytes; their grouped path expands every expert once).
+    Rows are sorted by expert into one grouped matmul per matrix. Where the Mosaic GPU kernel runs it computes
+    ~rows/tile + experts tiles whatever the group sizes, and an empty group starting inside a tile reads its
+    expert: with few assignments (decode) each group then starts on a tile boundary, so only the routed experts'
+    weights are read (GPT-OSS-20B, H200: B=1 decode 11.5 ms vs 14.2 gathered), while more rows keep the plain
+    layout (aligned cost B=64 decode and prefill 30-57% more). Elsewhere few assignments (tokens * top_k <=
+    experts) gather just the chosen experts' weights, as do experts kept quantized (just their bytes; their
+    grouped path expands every expert once).
     """
     E = jax.tree.leaves(p["w_gate"])[0].shape[0]
     local = idx - first
@@ -105,29 +107,35 @@ def _routed(spec, p, xt, w, idx, first):
     w = jnp.where(mine, w, 0)
     quantized = isinstance(p["w_gate"], dict)
     n = xt.shape[0] * spec.top_k
-    kernel = not quantized and grouped.row_tile(xt, p["w_gate"]) > 1
-    if n <= E and not kernel:
+    tile = 1 if quantized else grouped.row_tile(xt, p["w_gate"])
+    if n <= E and tile == 1:
         return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1))
-    # The kernel computes ~rows/tile + E tiles whatever the sizes: tile-aligned groups pay off only when few
-    # experts are routed to (GPT-OSS-20B on an H200: B=1 decode 11.5 ms aligned vs 14.2 gathered; B=64 16.1 ms
-    # unaligned vs 25.3 aligned, prefill 2048 42.7 vs 56.5 ms)
-    tile = grouped.row_tile(xt, p["w_gate"]) if kernel and n <= E else 1
+    if n > E:
+        tile = 1
     if quantized:  # expand every expert once, [E, in, out]
         p = p | {k: jnp.swapaxes(qdq.dequant(p[k], xt.dtype), -1, -2) for k in ("w_gate", "w_up", "w_down")}
     flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token, sorted_e = order // spec.top_k, flat[order]
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
+    e = jnp.minimum(sorted_e, E - 1)  # other devices' rows sort last, past every group, and come out zero
+    y = _expert_out(spec, p, xt[token], e, ragged=sizes) if tile == 1 else _aligned(spec, p, xt[token], sorted_e,
+                                                                                    sizes, tile)
+    y = y * w.reshape(-1)[order][:, None]
+    return jnp.zeros_like(xt).at[token].add(y.astype(xt.dtype))
+
+
+def _aligned(spec, p, xs, sorted_e, sizes, tile):
+    """`_expert_out` of expert-sorted rows xs [n, D] with each group moved to start on a tile boundary."""
+    n, E = xs.shape[0], sizes.shape[0]
     padded = -(-sizes // tile) * tile  # each group's rows rounded up to whole tiles
     rows = n + min(n, E) * (tile - 1)  # a static bound on sum(padded)
     start, pstart = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded
     e = jnp.minimum(sorted_e, E - 1)
     dest = jnp.where(sorted_e < E, pstart[e] + jnp.arange(n) - start[e], rows)  # other devices' rows: dropped
-    xs = jnp.zeros((rows, xt.shape[1]), xt.dtype).at[dest].set(xt[token], mode="drop")
+    xp = jnp.zeros((rows, xs.shape[1]), xs.dtype).at[dest].set(xs, mode="drop")
     row_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(rows), side="right"), E - 1)
-    y = _expert_out(spec, p, xs, row_e, ragged=padded)
-    y = y.at[dest].get(mode="fill", fill_value=0) * w.reshape(-1)[order][:, None]
-    return jnp.zeros_like(xt).at[token].add(y.astype(xt.dtype))
+    return _expert_out(spec, p, xp, row_e, ragged=padded).at[dest].get(mode="fill", fill_value=0)
 
 
 def _gathered(spec, p, xt, w, idx):
