@@ -2,16 +2,27 @@
 
 The header is parsed here (`GGUFFile`, memory-mapped); the `gguf` library dequantizes the tensors.
 
-What llama.cpp's converter changed on the way in is undone here, so the tensors this reader yields are
-exactly what the HF checkpoint holds (dequantized):
-- llama arch: Q/K rows permuted for llama.cpp's interleaved RoPE kernel -> permuted back.
-- gemma3 arch: every RMSNorm weight (input/post-attention/pre-/post-feedforward, q/k norms, final norm)
-  stored as w+1, because llama.cpp's norm multiplies by the weight itself where Gemma multiplies by
-  (1 + w) -> 1 subtracted. Q/K are not permuted for Gemma (llama.cpp's Gemma converters never call
-  its permute; transformers' Gemma2 tensor processor agrees).
-Tokenizers: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) and Gemma's SentencePiece BPE
-(`"llama"` on a gemma arch), built to match what `transformers` builds from the same file. Any other
-tokenizer model is logged and left out (`tokenizer()` returns None: generate() then takes token ids).
+What llama.cpp's converter (convert_hf_to_gguf.py, `conversion/*.py`) changed on the way in is undone here, so the
+tensors this reader yields are exactly what the HF checkpoint holds (dequantized). Per architecture (`ARCHS`):
+- llama (also what llama.cpp writes for MistralForCausalLM / Mixtral: there is no `mistral` arch) and mistral3
+  (Mistral3 / Ministral3 text): Q/K rows (and biases) permuted for llama.cpp's interleaved RoPE kernel
+  (`LlamaModel.permute`, `undo_permute = True`) -> permuted back.
+- qwen2, qwen3, qwen3moe: no permutation (llama.cpp runs them with NeoX RoPE, as HF). qwen2 carries q/k/v biases,
+  qwen3 per-head q/k RMS norms (`attn_q_norm`, `attn_k_norm`). qwen3moe stacks each layer's experts into one
+  tensor per projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, [experts, out, in]; router
+  `ffn_gate_inp`): read back one expert at a time under its HF name.
+- gemma3: every RMSNorm weight (input/post-attention/pre-/post-feedforward, q/k norms, final norm) stored as w+1,
+  because llama.cpp's norm multiplies by the weight itself where Gemma multiplies by (1 + w) -> 1 subtracted. Q/K
+  are not permuted for Gemma (llama.cpp's Gemma converters never call its permute; transformers' agrees).
+What llama.cpp drops is not in the file and is not invented here: a GGUF runs as llama.cpp runs it. Its qwen2 /
+qwen3 / llama graphs have no sliding window (Mistral 7B v0.1's 4096 and Qwen's use_sliding_window are dropped:
+full attention), and its qwen3moe graph always renormalises the top-k routing weights (norm_topk_prob = True, as
+transformers assumes too).
+Tokenizers (`tokenizer()`), built to match what `transformers` builds from the same file: byte-level BPE
+(`tokenizer.ggml.model == "gpt2"`) with the pre-tokenizer `tokenizer.ggml.pre` names (Qwen2's, Llama 3's, Tekken's
+... splits); SentencePiece BPE (`"llama"`: Llama 2 / Mistral style, merges rebuilt from the scores; Gemma's variant
+on a gemma arch). Any other tokenizer model is logged and left out (`tokenizer()` returns None: generate() then
+takes token ids).
 """
 from __future__ import annotations
 
@@ -19,13 +30,13 @@ import logging
 import mmap
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
 import numpy as np
 import tokenizers
-from tokenizers import decoders, models, normalizers, pre_tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
 from converters.safetensors_io import CheckpointError
 from jaxmodels import files
@@ -33,7 +44,8 @@ from jaxmodels.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-_LLAMA_ATTN_MLP = {
+_ATTN_MLP = {
+    "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
@@ -42,31 +54,66 @@ _LLAMA_ATTN_MLP = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>, per architecture
-    "llama": {
-        **_LLAMA_ATTN_MLP,
-        "attn_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-        "attn_q.bias": "self_attn.q_proj.bias",
-        "attn_k.bias": "self_attn.k_proj.bias",
-        "attn_v.bias": "self_attn.v_proj.bias",
-    },
-    # gguf-py's MODEL_ARCH.GEMMA3 tensor map, read backwards (checked with gguf 0.19's get_tensor_name_map)
-    "gemma3": {
-        **_LLAMA_ATTN_MLP,
-        "attn_norm.weight": "input_layernorm.weight",
-        "attn_q_norm.weight": "self_attn.q_norm.weight",
-        "attn_k_norm.weight": "self_attn.k_norm.weight",
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    },
+_QKV_BIAS = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+             "attn_v.bias": "self_attn.v_proj.bias"}
+_OUT_BIAS = {"attn_output.bias": "self_attn.o_proj.bias"}
+_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_LLAMA = {**_ATTN_MLP, **_QKV_BIAS, **_OUT_BIAS, "ffn_norm.weight": "post_attention_layernorm.weight"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What llama.cpp wrote for one `general.architecture`, and the HF model it came from."""
+
+    model_type: str  # the HF model_type (our family) the file imports as
+    layer_names: dict[str, str]  # GGUF blk.N.<name> -> HF model.layers.N.<name>
+    permuted_qk: bool = False  # Q/K rows (and biases) permuted by LlamaModel.permute
+    norm_offset: float = 0.0  # what llama.cpp added to every "*norm.weight"
+    experts: dict[str, str] = field(default_factory=dict)  # stacked blk.N.<name> -> per-expert HF name ({e})
+
+
+ARCHS = {
+    "llama": Arch("llama", _LLAMA, permuted_qk=True),
+    # Mistral3ForConditionalGeneration / Ministral3ForCausalLM text (llama.cpp's Mistral3Model: a LlamaModel)
+    "mistral3": Arch("mistral", _LLAMA, permuted_qk=True),
+    "qwen2": Arch("qwen2", {**_ATTN_MLP, **_QKV_BIAS, "ffn_norm.weight": "post_attention_layernorm.weight"}),
+    "qwen3": Arch("qwen3", {**_LLAMA, **_QK_NORM}),
+    "qwen3moe": Arch(
+        "qwen3_moe",
+        {**{k: v for k, v in _LLAMA.items() if not k.startswith("ffn_")}, **_QK_NORM,
+         "ffn_norm.weight": "post_attention_layernorm.weight", "ffn_gate_inp.weight": "mlp.gate.weight"},
+        experts={"ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+                 "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+                 "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight"}),
+    # gguf-py's MODEL_ARCH.GEMMA3 tensor map, read backwards (checked with gguf 0.19's get_tensor_name_map); a
+    # Gemma3 GGUF holds the text decoder only
+    "gemma3": Arch("gemma3_text", {**_ATTN_MLP, **_QK_NORM, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                                   "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                                   "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}, norm_offset=1.0),
 }
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
-HF_MODEL_TYPE = {"llama": "llama", "gemma3": "gemma3_text"}  # a Gemma3 GGUF holds the text decoder only
-NORM_OFFSET = {"gemma3": 1.0}  # arch -> what llama.cpp added to every "*norm.weight"
-# llama.cpp's byte-level pre-tokenizers, by `tokenizer.ggml.pre`
+
+# llama.cpp's byte-level pre-tokenizers, by `tokenizer.ggml.pre`: the regex split each names (llama-vocab.cpp;
+# transformers' GGUF_PRE_TOKENIZER_SPLITS agrees), then the byte-level mapping
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT),
+}
+# the rest: GPT-2's own split inside ByteLevel (llama.cpp's "default" / "gpt-2"); SmolLM splits digits first
 BYTE_LEVEL_PRE = {
     "smollm": [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)],
     "default": [pre_tokenizers.ByteLevel(add_prefix_space=False)],
@@ -183,20 +230,31 @@ class GGUFFile:
 
 
 class GGUFReader:
-    """`keys()`, `shape(name)`, `get(name)` over HF tensor names; `hf_config` and `tokenizer()`."""
+    """`keys()`, `shape(name)`, `get(name)`, `nbytes(name)` over HF tensor names; `hf_config` and `tokenizer()`.
+
+    A stacked expert tensor (`blk.N.ffn_gate_exps.weight`, [experts, out, in]) is listed once per expert under the
+    HF per-expert name, and read one expert's rows at a time (quantized blocks never straddle two experts)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.reader = GGUFFile(self.path)
         self.arch = self._field("general.architecture")
-        if self.arch not in LAYER_NAMES:
+        if self.arch not in ARCHS:
             raise ValueError(f"unknown architecture {self.arch!r} in {self.path.name}; "
-                             f"supported GGUF architectures: {', '.join(LAYER_NAMES)}")
+                             f"supported GGUF architectures: {', '.join(ARCHS)}")
+        self.spec = ARCHS[self.arch]
         self.hf_config = self._config()
-        self._tensors = {}
+        self._tensors: dict[str, tuple[GGUFTensor, int | None]] = {}  # HF name -> (tensor, expert index)
         for t in self.reader.tensors:
-            name = self._hf_name(t.name)
-            self._tensors[name] = t
+            m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+            if m and m.group(2) in self.spec.experts:
+                if len(t.dims) != 3:
+                    raise CheckpointError(f"{self.path.name}: {t.name} has shape {list(reversed(t.dims))}, expected "
+                                          f"[experts, rows, columns]")
+                for e in range(t.dims[2]):
+                    self._tensors[f"model.layers.{m.group(1)}." + self.spec.experts[m.group(2)].format(e=e)] = (t, e)
+            else:
+                self._tensors[self._hf_name(t.name)] = (t, None)
 
     def _field(self, key, default=None):
         return self.reader.fields.get(key, default)
@@ -212,8 +270,8 @@ class GGUFReader:
         if name in GLOBAL_NAMES:
             return GLOBAL_NAMES[name]
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-        if m and m.group(2) in LAYER_NAMES[self.arch]:
-            return f"model.layers.{m.group(1)}.{LAYER_NAMES[self.arch][m.group(2)]}"
+        if m and m.group(2) in self.spec.layer_names:
+            return f"model.layers.{m.group(1)}.{self.spec.layer_names[m.group(2)]}"
         return f"gguf:{name}"  # unknown: the importer reports it as an unexpected tensor
 
     def _config(self) -> dict:
@@ -223,7 +281,7 @@ class GGUFReader:
         names = {t.name for t in self.reader.tensors}
         tokens = self._field("tokenizer.ggml.tokens")
         cfg = {
-            "model_type": HF_MODEL_TYPE[a],
+            "model_type": self.spec.model_type,
             "vocab_size": g("vocab_size") or (len(tokens) if tokens is not None else None),
             "hidden_size": g("embedding_length"),
             "intermediate_size": g("feed_forward_length"),
@@ -240,18 +298,60 @@ class GGUFReader:
             cfg["vocab_size"] = int(next(t for t in self.reader.tensors if t.name == "token_embd.weight").dims[1])
         for k in ("bos_token_id", "eos_token_id"):
             cfg[k] = self._token_id(f"tokenizer.ggml.{k}", cfg["vocab_size"])
+        if (v := g("attention.value_length")) is not None and v != cfg["head_dim"]:
+            raise CheckpointError(f"{self.path.name}: {a}.attention.value_length {v} != key_length {cfg['head_dim']}; "
+                                  f"{a} needs equal key and value head sizes")
+        if (rope_dim := g("rope.dimension_count")) is not None and rope_dim != cfg["head_dim"]:
+            raise CheckpointError(f"{self.path.name}: {a}.rope.dimension_count {rope_dim} != head size "
+                                  f"{cfg['head_dim']}: partial rotary embeddings are not supported for {a}")
+        if g("attention.temperature_scale") is not None:  # Ministral3's llama_4_scaling
+            raise NotImplementedError(f"{self.path.name}: {a}.attention.temperature_scale (Llama-4-style attention "
+                                      f"temperature scaling, Ministral 3) is not supported yet")
+        if (n := g("expert_count")) and not self.spec.experts:
+            raise NotImplementedError(f"{self.path.name}: {a} with {a}.expert_count = {n} (a mixture of experts, e.g. "
+                                      f"Mixtral) is not supported yet")
         scaling = None
         kind = g("rope.scaling.type")
         if kind and kind != "none":
             scaling = {"rope_type": kind, "factor": g("rope.scaling.factor", 1.0),
                        "original_max_position_embeddings": g("rope.scaling.original_context_length")}
+            for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                                ("yarn_attn_factor", "attention_factor")):
+                if (v := g(f"rope.scaling.{key}")) is not None:
+                    scaling[hf_key] = v
         if a == "gemma3":
             cfg.update(self._gemma3_config(g, cfg, scaling))
-        else:
-            cfg["rope_theta"] = g("rope.freq_base", 10000.0)
-            if scaling:
-                cfg["rope_scaling"] = scaling
+            return cfg
+        cfg["rope_theta"] = g("rope.freq_base", 10000.0)
+        if scaling:
+            cfg["rope_scaling"] = scaling
+        if a in ("llama", "mistral3"):
+            cfg["attention_bias"] = any(n.endswith("attn_q.bias") for n in names)
+        if a in ("qwen2", "qwen3", "qwen3moe", "mistral3"):  # llama.cpp's graphs have no sliding window
+            cfg["use_sliding_window"], cfg["sliding_window"] = False, None
+        if a == "qwen3":
+            cfg["attention_bias"] = any(n.endswith("attn_q.bias") for n in names)
+        if a == "qwen3moe":
+            cfg.update(self._moe_config(g, names))
         return cfg
+
+    def _moe_config(self, g, names: set[str]) -> dict:
+        """llama.cpp's Qwen3-MoE graph: every layer sparse, softmax over all experts, top-k renormalised."""
+        n, E, k = g("block_count"), g("expert_count"), g("expert_used_count")
+        if not E or not k:
+            raise CheckpointError(f"{self.path.name}: qwen3moe needs qwen3moe.expert_count and expert_used_count")
+        dense = [i for i in range(n) if f"blk.{i}.ffn_gate_exps.weight" not in names]
+        if dense:  # llama.cpp's converter cannot write one (its qwen3moe tensor list has no dense FFN)
+            raise CheckpointError(f"{self.path.name}: layers {dense} have no experts (blk.N.ffn_gate_exps.weight); "
+                                  f"llama.cpp's qwen3moe has only sparse layers")
+        if (func := g("expert_gating_func")) not in (None, 1):  # gguf ExpertGatingFuncType.SOFTMAX
+            raise NotImplementedError(f"{self.path.name}: qwen3moe.expert_gating_func {func} (only softmax)")
+        ffn = g("expert_feed_forward_length")
+        if ffn is None:  # older files: the experts' width from the tensor itself
+            ffn = int(next(t for t in self.reader.tensors if t.name == "blk.0.ffn_gate_exps.weight").dims[1])
+        return {"num_experts": E, "num_experts_per_tok": k, "moe_intermediate_size": ffn, "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "intermediate_size": g("feed_forward_length") or ffn}
 
     def _gemma3_config(self, g, cfg: dict, scaling: dict | None) -> dict:
         """What llama.cpp's Gemma3 graph assumes beyond the generic keys (llama-model.cpp, LLM_ARCH_GEMMA3):
@@ -265,9 +365,6 @@ class GGUFReader:
         full = {"rope_type": "default", "rope_theta": g("rope.freq_base", 1000000.0)}
         if scaling:  # the global layers only (rope_freq_scale_train_swa = 1)
             full.update({k: v for k, v in scaling.items() if v is not None})
-        if (v := g("attention.value_length")) is not None and v != cfg["head_dim"]:
-            raise CheckpointError(f"{self.path.name}: gemma3.attention.value_length {v} != key_length "
-                                  f"{cfg['head_dim']}; Gemma3 needs equal key and value head sizes")
         return {
             "hidden_activation": "gelu_pytorch_tanh",
             "sliding_window": window,
@@ -282,47 +379,61 @@ class GGUFReader:
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(reversed(self._tensors[name].dims))  # GGUF lists dims innermost first
+        t, e = self._tensors[name]
+        dims = tuple(reversed(t.dims))  # GGUF lists dims innermost first
+        return dims if e is None else dims[1:]
 
     def nbytes(self, name: str) -> int:
-        return self._tensors[name].data.nbytes
+        t, e = self._tensors[name]
+        return t.data.nbytes if e is None else t.data[e].nbytes
 
     def get(self, name: str) -> np.ndarray:
-        t = self._tensors[name]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
-        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        t, e = self._tensors[name]
+        w = gguf.quants.dequantize(t.data if e is None else t.data[e], t.tensor_type).reshape(self.shape(name))
+        if self.spec.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             c = self.hf_config
             n = c["num_attention_heads"] if "q_proj" in name else c["num_key_value_heads"]
+            if w.shape[0] % (2 * n):
+                raise CheckpointError(f"{self.path.name}: {name} has {w.shape[0]} rows, not a multiple of 2 x {n} heads")
             # llama.cpp stored rows as reshape(n, 2, d/2).swapaxes(1, 2); invert that.
             w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        if self.arch in NORM_OFFSET and name.endswith("norm.weight"):
-            w = (w.astype(np.float32) - np.float32(NORM_OFFSET[self.arch])).astype(w.dtype)
+        if self.spec.norm_offset and name.endswith("norm.weight"):
+            w = (w.astype(np.float32) - np.float32(self.spec.norm_offset)).astype(w.dtype)
         return w
 
-    # ------------------------------------------------------------------------------- tokenizer
     def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return self.get(name)[index]  # quantized blocks are dequantized whole
 
+    # ------------------------------------------------------------------------------- tokenizer
     def tokenizer(self) -> Tokenizer | None:
         kind = self._field("tokenizer.ggml.model")
+        tokens = self._field("tokenizer.ggml.tokens")
+        if tokens is None:
+            log.warning("%s: no tokenizer.ggml.tokens; converting without a tokenizer (generate() then takes token "
+                        "ids)", self.path.name)
+            return None
         if kind == "gpt2":
             tok = self._byte_level_bpe()
         elif kind == "llama" and self.arch in GEMMA_SPM_ARCHS:
             tok = self._gemma_spm()
+        elif kind == "llama":
+            tok = self._llama_spm()
         else:
             log.warning("%s: GGUF tokenizer model %r (arch %r) is not supported yet; converting without a "
                         "tokenizer (generate() then takes token ids)", self.path.name, kind, self.arch)
             return None
-        tokens = self._field("tokenizer.ggml.tokens")
         types = self._field("tokenizer.ggml.token_type") or []
+        # Control tokens are special (matched whole, dropped on decode). In a byte-level vocabulary every real token
+        # is spelled in the byte alphabet: one marked control that is not is a llama.cpp mislabel, left out as
+        # transformers does (adding it would grow the vocabulary).
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if kind == "gpt2" else None
         tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == CONTROL])
-        if kind == "llama":
-            # Added but not special, like <start_of_image>-style markers: matched whole, kept on decode.
-            # As transformers does, only those the (respelled) vocabulary holds.
-            vocab = tok.get_vocab()
-            tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
+                                for t, ty in zip(tokens, types) if ty == CONTROL and (alphabet is None or set(t) <= alphabet)])
+        # Added but not special (Qwen3's <think>, Gemma's <start_of_image>-style markers): llama.cpp matches them
+        # whole in text and keeps them on decode. As transformers does, only those the vocabulary holds as spelled.
+        vocab = tok.get_vocab()
+        tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
         bos, eos = (self._token_id(f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("bos", "eos"))
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
         add_bos = self._field("tokenizer.ggml.add_bos_token", kind == "llama")
@@ -330,13 +441,54 @@ class GGUFReader:
                          None if eos is None else tokens[eos], bool(add_bos))
 
     def _byte_level_bpe(self) -> tokenizers.Tokenizer:
+        """Byte-level BPE as transformers builds it from a GGUF (`byte_level_tokenizer` + the split of
+        `tokenizer.ggml.pre`): a token not spelled in the byte alphabet (llama.cpp stores added tokens as text) is
+        respelled byte by byte; the pre-tokenizer is the regex split llama.cpp uses for that name, then the byte
+        mapping (GPT-2's own split for "default" and names without a regex of their own)."""
         tokens = self._field("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in self._field("tokenizer.ggml.merges")]
-        tok = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                              ignore_merges=False))
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+                 for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in self._field("tokenizer.ggml.merges") or []]
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
         pre = self._field("tokenizer.ggml.pre", "default")
-        tok.pre_tokenizer = pre_tokenizers.Sequence(BYTE_LEVEL_PRE.get(pre, BYTE_LEVEL_PRE["default"]))
+        if pre in PRE_SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:
+            if pre not in BYTE_LEVEL_PRE:
+                log.warning("%s: byte-level pre-tokenizer %r is not known here; splitting text as GPT-2 does "
+                            "(token ids may differ from llama.cpp's on some text)", self.path.name, pre)
+            tok.pre_tokenizer = pre_tokenizers.Sequence(BYTE_LEVEL_PRE.get(pre, BYTE_LEVEL_PRE["default"]))
         tok.decoder = decoders.ByteLevel()
+        return tok
+
+    def _llama_spm(self) -> tokenizers.Tokenizer:
+        """SentencePiece BPE (Llama 2, Mistral 7B, TinyLlama ...) as transformers builds it from a GGUF
+        (`sentencepiece_tokenizer` + `LlamaTokenizer`): the merges from the file, or else rebuilt from the scores
+        (every split of a token into two vocabulary tokens, best score first, then the longer left part, as
+        transformers' `generate_merges`); a "▁" prefix before the text (llama.cpp: `tokenizer.ggml.add_space_prefix`,
+        on unless the file says otherwise), spaces as "▁", byte fallback for characters not in the vocabulary."""
+        tokens = self._field("tokenizer.ggml.tokens")
+        if (merges := self._field("tokenizer.ggml.merges")) is not None:
+            merges = [tuple(m.split(" ", 1)) for m in merges]
+        else:
+            scores = self._field("tokenizer.ggml.scores")
+            if scores is None or len(scores) != len(tokens):
+                raise CheckpointError(f"{self.path.name}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one "
+                                      f"per token ({len(tokens)})")
+            merges = _merges_from_scores(tokens, scores)
+        unk = self._token_id("tokenizer.ggml.unknown_token_id", len(tokens))
+        tok = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                              fuse_unk=True, byte_fallback=True, dropout=None,
+                                              unk_token=None if unk is None else tokens[unk]))
+        prefix = bool(self._field("tokenizer.ggml.add_space_prefix", True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
         return tok
 
     def _gemma_spm(self) -> tokenizers.Tokenizer:
@@ -367,3 +519,25 @@ class GGUFReader:
         tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
         return tok
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges of a SentencePiece vocabulary: each split of a token into two vocabulary tokens, ordered by the
+    token's score (highest first), then the left and right parts' lengths (longest first); ties keep the file's
+    order. The same dicts and stable sorts as transformers' `generate_merges`, so the order is the same."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for t, score in dict(zip(tokens, scores)).items():
+        local = [(t[:k], t[k:], score) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges += local
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = (b for b in range(256) if b not in keep)
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(extra)}}

@@ -8,7 +8,7 @@ from typing import Callable
 
 from jaxmodels.config import ConfigError, ModelConfig
 from jaxmodels.families import (cohere, deepseek_v4, exaone4, gemma3, gpt_oss, llama, mistral, mistral3, mllama,
-                                qwen3, qwen3_moe)
+                                qwen2, qwen3, qwen3_moe)
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Family:
 FAMILIES = {
     "llama": Family("llama", llama.config, llama.NAMES),
     "mistral": Family("mistral", mistral.config, mistral.NAMES),
+    "qwen2": Family("qwen2", qwen2.config, qwen2.NAMES),
     "qwen3": Family("qwen3", qwen3.config, qwen3.NAMES),
     "cohere": Family("cohere", cohere.config, cohere.NAMES),
     "cohere2": Family("cohere2", cohere.config2, cohere.NAMES),
