@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -62,12 +63,39 @@ def source_items(cfg, reader, fam, tok, dtype: str = "float32", keep_quantized: 
                                                              done, bar)
 
 
-def _bar(progress: bool, desc: str, leave: bool):
-    """Progress in bytes of the source read, with the rate (e.g. `convert: 1.34G/1.34G [00:02, 650MB/s]`)."""
-    return tqdm(desc=desc, total=0, unit="B", unit_scale=True, unit_divisor=1000, disable=not progress, leave=leave)
+class ByteBar(tqdm):
+    """Progress in bytes of the source read: done / total and the average rate in GB/s, on stderr, e.g.
+    `convert:  45%|████▌     | 603MB/1.34GB [00:02<00:03, 0.26 GB/s]`. `total` grows as the readers plan their
+    tensors (hf.stream adds each source's bytes before reading them)."""
+
+    def __init__(self, desc: str, progress: bool | None, leave: bool):
+        super().__init__(desc=desc, total=0, unit="B", unit_scale=True, unit_divisor=1000, leave=leave,
+                         file=sys.stderr, disable=not shown(progress),
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}, "
+                                    "{gbps} GB/s]")
+
+    @property
+    def format_dict(self):
+        d = super().format_dict
+        seconds = d.get("elapsed") or 0
+        return {**d, "gbps": f"{d['n'] / seconds / 1e9:.3g}" if seconds > 0 and d["n"] else "?"}
 
 
-def read_source(src: str | Path, dtype: str = "float32", progress: bool = True, keep_quantized: bool = False,
+def shown(progress: bool | None) -> bool:
+    """Whether a progress bar is drawn: True / False as asked; None (the default) on a terminal (stderr a TTY) or in
+    a notebook (tqdm.auto draws a widget there), never into a pipe or a log file."""
+    if progress is not None:
+        return bool(progress)
+    from tqdm import autonotebook
+
+    return autonotebook.tqdm.__module__ == "tqdm.notebook" or bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
+def _bar(progress: bool | None, desc: str, leave: bool) -> ByteBar:
+    return ByteBar(desc, progress, leave)
+
+
+def read_source(src: str | Path, dtype: str = "float32", progress: bool | None = None, keep_quantized: bool = False,
                 skip_mtp: bool = False) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """Import a checkpoint into host memory: (config, numpy params, tokenizer or None), reading one tensor at a
     time: host memory peaks at the params plus about two tensors.
@@ -96,7 +124,7 @@ def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32
 
 
 def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite: bool = False,
-            progress: bool = True, keep_quantized: bool = False, skip_mtp: bool = False) -> Path:
+            progress: bool | None = None, keep_quantized: bool = False, skip_mtp: bool = False) -> Path:
     """Convert a checkpoint into `dst` (params, config, tokenizer). Returns `dst`.
 
     Streaming: each tensor is read, converted and written into its place in the output before the next is read,
@@ -104,7 +132,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite
     fails. An interrupted conversion (Ctrl-C, a kill) resumes when run again with the same source, dst and
     options: the slices it had written are verified by their CRC32 and kept. overwrite replaces an earlier
     converted model (or an empty directory), nothing else; the destination is checked before any import work.
-    keep_quantized, skip_mtp: see `read_source`.
+    keep_quantized, skip_mtp: see `read_source`. progress: a bar of the bytes read and GB/s on stderr (None: only
+    when stderr is a terminal, or in a notebook; True / False: always / never).
     """
     from converters import orbax_io
 
@@ -127,7 +156,7 @@ def _fingerprint(src: Path) -> dict[str, list[int]]:
 
 
 def export(src, hf_dir: str | Path, dtype: str | None = None, overwrite: bool = False,
-           max_shard_size: int | str = "5GB", progress: bool = True) -> Path:
+           max_shard_size: int | str = "5GB", progress: bool | None = None) -> Path:
     """Write a model back to a Hugging Face directory that `transformers.AutoModelForCausalLM.from_pretrained` loads:
     `model.safetensors` (above max_shard_size: shards + `model.safetensors.index.json`; bytes or "5GB"-style),
     config.json, generation_config.json and the tokenizer files. Returns `hf_dir`.
@@ -157,9 +186,10 @@ def export(src, hf_dir: str | Path, dtype: str | None = None, overwrite: bool = 
         params, tok = checkpoint.load_params(path, cfg), Tokenizer.from_dir(path)
     else:
         hf_export.plan_export(open_source(path)[0])
-        cfg, params, tok = read_source(path, dtype or "float32", progress)
+        cfg, params, tok = read_source(path, dtype or "float32", shown(progress))
         if path.is_dir() and (gen := files.find(path, "generation_config.json")) is not None:
             generation = files.read_json(gen, files.MAX_METADATA_BYTES)  # the source's sampling defaults
-    out = hf_export.write(hf_dir, cfg, params, tok, dtype, overwrite, path, max_shard_size, generation, progress)
+    out = hf_export.write(hf_dir, cfg, params, tok, dtype, overwrite, path, max_shard_size, generation,
+                          shown(progress))
     log.info("exported %s -> %s", "the model" if path is None else src, out)
     return out

@@ -18,7 +18,7 @@ def _convert(args) -> int:
     import converters
 
     dst = converters.convert(args.src, args.dst, dtype=args.dtype, overwrite=args.force,
-                             keep_quantized=args.keep_quantized, skip_mtp=args.skip_mtp)
+                             keep_quantized=args.keep_quantized, skip_mtp=args.skip_mtp, progress=args.progress)
     print(f"converted {args.src} -> {dst}")
     return 0
 
@@ -27,7 +27,8 @@ def _export(args) -> int:
     import converters
 
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
-    dst = converters.export(args.src, args.hf_dir, dtype=args.dtype, overwrite=args.force, max_shard_size=size)
+    dst = converters.export(args.src, args.hf_dir, dtype=args.dtype, overwrite=args.force, max_shard_size=size,
+                            progress=args.progress)
     print(f"exported {args.src} -> {dst}")
     return 0
 
@@ -287,6 +288,10 @@ def parser() -> argparse.ArgumentParser:
                    help="do not reuse the KV cache of common prompt prefixes")
     s.add_argument("--dtype", choices=DTYPES, help="cast parameters after loading")
     s.set_defaults(fn=_serve)
+    for command in (c, e):
+        command.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                             help="a progress bar on stderr: bytes read / total and GB/s (default: only when stderr "
+                                  "is a terminal)")
     for command in (c, e, i, g, s):
         command.add_argument("--debug", action="store_true", help="show the full trace of an error")
     return p
