@@ -5,7 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmodels.layers import rope
+from jaxmodels.layers import decode_attention, rope
 from jaxmodels.layers.norms import norm
 
 F32 = jnp.float32
@@ -122,6 +122,25 @@ def unordered(q, k, v, allowed=None, *, scale: float):
     return attend(q, k, v, allowed, scale=scale)
 
 
+def decode(q, cache, last, *, window, scale: float, softcap=None, sinks=None):
+    """One query token per row, q [B, 1, H, d] at positions last [B], over the slots of the layer's cache "k"
+    and "v" (its token written already) -> [B, 1, H, d]. On the GPU the decode kernel, which reads only the slots
+    each row holds, in place; elsewhere every slot, masked (the kernel's reference)."""
+    if decode_attention.fits(q, cache.pages("k")):
+        return decode_attention.decode(q[:, 0], cache.pages("k"), cache.pages("v"), last, window=window,
+                                       scale=scale, softcap=softcap, sinks=sinks)[:, None]
+    return decode_reference(q, cache, last, window=window, scale=scale, softcap=softcap, sinks=sinks)
+
+
+def decode_reference(q, cache, last, *, window, scale: float, softcap=None, sinks=None):
+    """`decode` in XLA: every slot of the layer's cache read (paged: gathered through the block table), masked."""
+    pos = last[:, None]
+    k_pos = cache.positions("k", last)
+    allowed = mask(pos, k_pos, window, k_valid=k_pos >= 0)
+    return attend(q, cache.read("k").astype(q.dtype), cache.read("v").astype(q.dtype), allowed, scale=scale,
+                  softcap=softcap, sinks=sinks)
+
+
 def gqa(cfg, a, p, h, ctx, cache):
     """One layer's grouped-query attention: h [B, T, D] (normed) -> [B, T, D].
 
@@ -146,10 +165,7 @@ def gqa(cfg, a, p, h, ctx, cache):
     if ctx["mode"] == "decode":
         cache.write_token("k", k[:, :, 0], pos[:, 0])
         cache.write_token("v", v[:, :, 0], pos[:, 0])
-        k_pos = cache.positions("k", pos[:, -1])
-        allowed = mask(pos, k_pos, a.window, k_valid=k_pos >= 0)
-        o = attend(q, cache.read("k").astype(q.dtype), cache.read("v").astype(q.dtype), allowed, scale=scale,
-                   softcap=a.softcap, sinks=p.get("sinks"))
+        o = decode(q, cache, pos[:, 0], window=a.window, scale=scale, softcap=a.softcap, sinks=p.get("sinks"))
     elif ctx["mode"] == "extend":  # a chunk after the start[b] positions the cache holds
         start, lengths = ctx["start"], ctx["lengths"]
         # the cache as it was (a ring may drop keys of this chunk's first queries when the chunk is written) + the chunk

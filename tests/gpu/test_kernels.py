@@ -2,6 +2,8 @@
 
     python -m pytest tests/gpu -q      # on a machine with a Hopper GPU
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,54 @@ def test_causal_with_sinks_equals_attend(window):
     want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
     for a, b in zip(got, want):
         _close(a, b, 2e-2)
+
+
+@pytest.mark.parametrize("H,K,d,window,block_size,sinks", [(32, 8, 128, None, 0, False), (64, 8, 64, 128, 0, True),
+                                                           (32, 8, 128, None, 16, False), (8, 4, 256, 512, 16, False)])
+def test_decode_kernel_equals_reference(H, K, d, window, block_size, sinks):
+    """The compiled decode kernel against the XLA path it replaces (fp32 reference from the same bf16 cache)."""
+    from tests.test_decode_attention import written_cache
+    from jaxmodels import cache as kv
+    from jaxmodels.layers import decode_attention
+
+    lasts = [0, 511, 700, 2047] if window is None else [3, window - 1, window + 9, 2047]
+    lc, lasts = written_cache(4, K, d, window, 2048, lasts, BF16, block_size)
+    q = jax.random.normal(jax.random.key(3), (4, 1, H, d), BF16)
+    s = jax.random.normal(jax.random.key(4), (H,), F) if sinks else None
+    kw = dict(window=window, scale=d ** -0.5, sinks=s)
+    assert decode_attention.fits(q, lc.pages("k"))
+    view = lambda c: kv.LayerCache(c, lc.kind, lc.layer)  # noqa: E731
+    got = jax.jit(lambda q, c: attention.decode(q, view(c), lasts, **kw))(q, lc.cache)
+    f32 = dataclasses.replace(lc.cache, buffers=tuple(b.astype(F) for b in lc.cache.buffers))
+    want = jax.jit(lambda q, c: attention.decode_reference(q.astype(F), view(c), lasts, **kw))(q, f32)
+    _close(got, want, 1e-2)
+
+
+def test_decode_step_with_kernel_equals_without(monkeypatch):
+    """A whole bf16 decode step of a small Llama-shaped model (scanned layers, contiguous cache): logits with the
+    kernel equal those of the XLA path to bf16 rounding."""
+    from jaxmodels import families, model as M
+    from jaxmodels.layers import decode_attention
+
+    cfg = families.config_from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+                                   "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                                   "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+                                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096})
+    params = M.init_params(cfg, 0, dtype=BF16, std=0.1)
+    B, T = 3, 300
+    toks = jax.random.randint(jax.random.key(5), (B, T), 0, 512)
+    lens = jnp.asarray([T, 17, 200], jnp.int32)
+
+    def run():
+        cache = M.init_cache(cfg, B, 1024, BF16)
+        _, cache = jax.jit(M.prefill, static_argnums=1)(params, cfg, toks, lens, cache)
+        step = jax.jit(M.decode_step, static_argnums=1, compiler_options=M.COMPILER_OPTIONS)
+        return step(params, cfg, toks[:, 0], lens, cache)[0]
+
+    got = run()
+    monkeypatch.setattr(decode_attention, "fits", lambda *a: False)
+    want = run()
+    _close(got, want, 2e-2)
 
 
 if __name__ == "__main__":  # the GPU machine may lack pytest
