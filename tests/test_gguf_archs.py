@@ -11,8 +11,10 @@ at the fp32 bar too) and, for F32 files, the original HF model.
 
 What llama.cpp's conversion loses is checked as such: Mistral's sliding window and Qwen's use_sliding_window are
 not in the file (llama.cpp runs full attention), and its Qwen3-MoE graph renormalises the routing weights.
-transformers cannot load a `mistral3` file (no such arch in its GGUF tables): that one is checked against the
-original HF model only.
+transformers 5.24 cannot load a `mistral3` file (no such arch in its GGUF tables) nor a `llama` file with attention
+biases (its GGUF config has no attention_bias, the biases are dropped): those are checked against the original HF
+model only. It also ignores `qwen3.attention.key_length` and `qwen3moe.expert_feed_forward_length` (the config
+classes' defaults, 128 and 768, stand in): the tiny Qwen3 models below use those sizes, as the real ones do.
 """
 from __future__ import annotations
 
@@ -62,12 +64,16 @@ MODELS = {  # name -> (HF config, GGUF arch, tokenizer kind, transformers loads 
     # MistralForCausalLM: llama.cpp's LlamaModel (arch "llama", Q/K permuted), SentencePiece vocabulary
     "mistral": ({**BASE, "model_type": "mistral", "head_dim": 16, "rope_theta": 10000.0, "sliding_window": None},
                 "llama", "spm", True),
+    # Llama with attention biases (llama.cpp permutes the q/k biases too); transformers' GGUF config has no
+    # attention_bias, so it cannot load this one
+    "llama_bias": ({**BASE, "model_type": "llama", "head_dim": 16, "attention_bias": True}, "llama", "bpe", False),
     # the text of Mistral3ForConditionalGeneration: llama.cpp's Mistral3Model (a LlamaModel with arch "mistral3")
     "mistral3": ({**BASE, "model_type": "mistral", "head_dim": 16, "rope_theta": 10000.0, "sliding_window": None},
                  "mistral3", "spm", False),
 }
 
-FAMILY = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mistral": "llama", "mistral3": "mistral"}
+FAMILY = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mistral": "llama", "llama_bias": "llama",
+          "mistral3": "mistral"}
 
 
 # ----------------------------------------------------------------------------------- tokenizers of the tiny models
