@@ -14,6 +14,8 @@ tensors this reader yields are exactly what the HF checkpoint holds (dequantized
 - gemma3: every RMSNorm weight (input/post-attention/pre-/post-feedforward, q/k norms, final norm) stored as w+1,
   because llama.cpp's norm multiplies by the weight itself where Gemma multiplies by (1 + w) -> 1 subtracted. Q/K
   are not permuted for Gemma (llama.cpp's Gemma converters never call its permute; transformers' agrees).
+- Llama 3.x RoPE scaling is written as `rope_freqs.weight`, one divisor per frequency: read back into the llama3
+  rope_scaling that gives those divisors (`_llama3_scaling`; transformers drops the tensor and runs unscaled).
 What llama.cpp drops is not in the file and is not invented here: a GGUF runs as llama.cpp runs it. Its qwen2 /
 qwen3 / llama graphs have no sliding window (Mistral 7B v0.1's 4096 and Qwen's use_sliding_window are dropped:
 full attention), and its qwen3moe graph always renormalises the top-k routing weights (norm_topk_prob = True, as
@@ -253,7 +255,7 @@ class GGUFReader:
                                           f"[experts, rows, columns]")
                 for e in range(t.dims[2]):
                     self._tensors[f"model.layers.{m.group(1)}." + self.spec.experts[m.group(2)].format(e=e)] = (t, e)
-            else:
+            elif t.name != "rope_freqs.weight":  # read into the config (_llama3_scaling)
                 self._tensors[self._hf_name(t.name)] = (t, None)
 
     def _field(self, key, default=None):
@@ -323,6 +325,10 @@ class GGUFReader:
             cfg.update(self._gemma3_config(g, cfg, scaling))
             return cfg
         cfg["rope_theta"] = g("rope.freq_base", 10000.0)
+        if "rope_freqs.weight" in names:  # Llama 3.1+: llama.cpp writes the llama3 scaling as per-frequency factors
+            if scaling:
+                raise CheckpointError(f"{self.path.name}: both rope_freqs.weight and {a}.rope.scaling.type {kind!r}")
+            scaling = self._llama3_scaling(cfg["rope_theta"], cfg["head_dim"])
         if scaling:
             cfg["rope_scaling"] = scaling
         if a in ("llama", "mistral3"):
@@ -334,6 +340,53 @@ class GGUFReader:
         if a == "qwen3moe":
             cfg.update(self._moe_config(g, names))
         return cfg
+
+    def _llama3_scaling(self, theta: float, head_dim: int) -> dict | None:
+        """The llama3 rope_scaling that gives `rope_freqs.weight`'s factors (LlamaModel.generate_extra_tensors: each
+        frequency divided by 1 above the high-frequency wavelength, by `factor` below the low-frequency one, by a
+        smooth blend between). llama3's parameters enter only through the two wavelengths and the blend's line in
+        1/wavelength, so an equivalent set is recovered from the factors and checked to reproduce them all; None if
+        every factor is 1. transformers ignores this tensor (it runs such a file unscaled, unlike llama.cpp)."""
+        t = next(t for t in self.reader.tensors if t.name == "rope_freqs.weight")
+        f = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+        if f.shape != (head_dim // 2,) or not np.all(np.isfinite(f)) or f.min() <= 0:
+            raise CheckpointError(f"{self.path.name}: rope_freqs.weight has shape {list(f.shape)} or values that are "
+                                  f"not per-frequency factors (expected {head_dim // 2} positive numbers)")
+        if np.allclose(f, 1.0, rtol=0, atol=1e-7):
+            return None
+        wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+        factor = float(f.max())
+        high, low = f <= 1 + 1e-6, f >= factor * (1 - 1e-6)  # unscaled / fully scaled bands
+        mid = ~(high | low)
+        blend = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)  # 1/f = (1 - s) / factor + s
+        inv_hi = inv_lo = None  # 1 / the high- and low-frequency wavelengths
+        if mid.sum() >= 2:  # s = (1/w - 1/Wl) / (1/Wh - 1/Wl): a line in 1/w
+            slope, icpt = np.polyfit(1 / wavelen[mid], blend, 1)
+            if slope > 0:
+                inv_lo = -icpt / slope
+                inv_hi = inv_lo + 1 / slope
+        else:  # any wavelengths between the bands reproduce the factors; a single blended point fixes the low one
+            below = wavelen[high].max() if high.any() else wavelen.min() / 2
+            above = wavelen[~high].min() if (~high).any() else wavelen.max() * 2
+            if mid.any():
+                inv_hi = 1 / np.sqrt(below * above)
+                inv_lo = (1 / wavelen[mid][0] - blend[0] * inv_hi) / (1 - blend[0])
+            else:  # no blend: Wh < Wl, both in the gap
+                inv_hi, inv_lo = 1 / (below ** (2 / 3) * above ** (1 / 3)), 1 / (below ** (1 / 3) * above ** (2 / 3))
+        old = 8192  # any context length: llama3 uses it only over low_freq_factor and high_freq_factor
+        out = None
+        if inv_hi is not None and 0 < inv_lo < inv_hi:
+            out = {"rope_type": "llama3", "factor": factor, "low_freq_factor": old * inv_lo,
+                   "high_freq_factor": old * inv_hi, "original_max_position_embeddings": old}
+            s = (1 / wavelen - inv_lo) / (inv_hi - inv_lo)
+            again = np.where(wavelen < 1 / inv_hi, 1.0, np.where(wavelen > 1 / inv_lo, factor,
+                                                                 1 / ((1 - s) / factor + s)))
+            if not np.allclose(again, f, rtol=1e-5, atol=0):
+                out = None
+        if out is None:
+            raise NotImplementedError(f"{self.path.name}: rope_freqs.weight {np.round(f, 4).tolist()} is not a llama3 "
+                                      f"RoPE scaling; other per-frequency factors are not supported yet")
+        return out
 
     def _moe_config(self, g, names: set[str]) -> dict:
         """llama.cpp's Qwen3-MoE graph: every layer sparse, softmax over all experts, top-k renormalised."""

@@ -18,7 +18,9 @@ classes' defaults, 128 and 768, stand in): the tiny Qwen3 models below use those
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -33,6 +35,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 import converters
 import jaxmodels as jm
 from converters.gguf_io import GGUFReader
+from jaxmodels import families
+from jaxmodels.layers.rope import inv_freq
 from tests.parity.hf_reference import build, logits
 
 TOL = 1e-4
@@ -67,13 +71,18 @@ MODELS = {  # name -> (HF config, GGUF arch, tokenizer kind, transformers loads 
     # Llama with attention biases (llama.cpp permutes the q/k biases too); transformers' GGUF config has no
     # attention_bias, so it cannot load this one
     "llama_bias": ({**BASE, "model_type": "llama", "head_dim": 16, "attention_bias": True}, "llama", "bpe", False),
+    # Llama 3.x RoPE scaling (factor 8, original context 8192: llama.cpp assumes 8192 whatever the config says):
+    # llama.cpp writes it as rope_freqs.weight, which transformers ignores (it runs the file unscaled)
+    "llama3": ({**BASE, "model_type": "llama", "head_dim": 16, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}}, "llama", "bpe", False),
     # the text of Mistral3ForConditionalGeneration: llama.cpp's Mistral3Model (a LlamaModel with arch "mistral3")
     "mistral3": ({**BASE, "model_type": "mistral", "head_dim": 16, "rope_theta": 10000.0, "sliding_window": None},
                  "mistral3", "spm", False),
 }
 
 FAMILY = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mistral": "llama", "llama_bias": "llama",
-          "mistral3": "mistral"}
+          "llama3": "llama", "mistral3": "mistral"}
 
 
 # ----------------------------------------------------------------------------------- tokenizers of the tiny models
@@ -119,6 +128,24 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_factors(dim: int, base: float, rope: dict, old: int) -> np.ndarray:
+    """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as one divisor per frequency (rope_freqs.weight). It
+    takes the original context from the top level of config.json (default 8192), not from the rope dict."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
 def write_gguf(hf_dir: Path, path: Path, arch: str, qtype: gguf.GGMLQuantizationType, tokenizer: str) -> Path:
     cfg = json.loads((hf_dir / "config.json").read_text())
     n, H, K = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -137,9 +164,14 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, qtype: gguf.GGMLQuantization
                     tensors.append((f"model.layers.{m[1]}.mlp.experts.{w}.weight", stack))
             continue
         tensors.append((name, t))
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if arch in ("llama", "mistral3") and rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
+        tensors.append(("rope_freqs.weight", llama3_factors(cfg.get("head_dim") or cfg["hidden_size"] // H,
+                                                            rope.get("rope_theta", cfg.get("rope_theta")), rope,
+                                                            cfg.get("original_max_position_embeddings", 8192))))
     w = gguf.GGUFWriter(str(path), arch)
     for name, t in tensors:
-        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        new = name if name == "rope_freqs.weight" else names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, f"gguf-py has no {arch} name for {name}"
         # prepare_tensors: 1-D tensors, norms and the MoE router stay F32
         q = F32 if t.ndim <= 1 or new.endswith("_norm.weight") or ".ffn_gate_inp." in new else qtype
@@ -330,3 +362,33 @@ def test_unsupported_gguf_variants_are_named(tmp_path):
         w.close()
         with pytest.raises(NotImplementedError, match=match):
             GGUFReader(path)
+
+
+@pytest.mark.parametrize("dim,theta,rope", [
+    (128, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,  # Llama 3.1 8B
+                     "original_max_position_embeddings": 8192}),
+    (64, 500000.0, {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,  # Llama 3.2 1B
+                    "original_max_position_embeddings": 8192}),
+    (16, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,  # one blended frequency
+                    "original_max_position_embeddings": 8192}),
+    (16, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,  # none blended
+                    "original_max_position_embeddings": 64})])
+def test_llama3_scaling_is_recovered_from_rope_freqs(tmp_path, dim, theta, rope):
+    """rope_freqs.weight -> a llama3 rope_scaling whose inverse frequencies are the original parameters' (fp32)."""
+    path = tmp_path / "llama3.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in (("block_count", 1), ("embedding_length", 4 * dim), ("attention.head_count", 4),
+                 ("attention.head_count_kv", 4), ("feed_forward_length", 64), ("vocab_size", 8)):
+        w.add_uint32(f"llama.{k}", v)
+    w.add_rope_freq_base(theta)
+    w.add_tensor("rope_freqs.weight", llama3_factors(dim, theta, rope, rope["original_max_position_embeddings"]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = GGUFReader(path)
+    assert "rope_freqs.weight" not in reader.keys()  # read into the config, not a parameter
+    ours = families.config_from_hf(reader.hf_config).layers[0].attention.rope
+    want = families.config_from_hf({**reader.hf_config, "rope_scaling": {"rope_type": "llama3", **rope}})
+    np.testing.assert_allclose(inv_freq(ours, dim)[0], inv_freq(want.layers[0].attention.rope, dim)[0], rtol=2e-6)
+    assert not np.allclose(inv_freq(ours, dim)[0], inv_freq(dataclasses.replace(ours, kind="default"), dim)[0])
