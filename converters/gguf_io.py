@@ -89,7 +89,8 @@ ARCHS = {
                  "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight"}),
     # gguf-py's MODEL_ARCH.GEMMA3 tensor map, read backwards (checked with gguf 0.19's get_tensor_name_map); a
     # Gemma3 GGUF holds the text decoder only
-    "gemma3": Arch("gemma3_text", {**_ATTN_MLP, **_QK_NORM, "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "gemma3": Arch("gemma3_text", {**_ATTN_MLP, **_QK_NORM,
+                                   "post_attention_norm.weight": "post_attention_layernorm.weight",
                                    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                                    "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}, norm_offset=1.0),
 }
@@ -105,8 +106,10 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
@@ -447,7 +450,8 @@ class GGUFReader:
             c = self.hf_config
             n = c["num_attention_heads"] if "q_proj" in name else c["num_key_value_heads"]
             if w.shape[0] % (2 * n):
-                raise CheckpointError(f"{self.path.name}: {name} has {w.shape[0]} rows, not a multiple of 2 x {n} heads")
+                raise CheckpointError(f"{self.path.name}: {name} has {w.shape[0]} rows, not a multiple of 2 x {n} "
+                                      f"heads")
             # llama.cpp stored rows as reshape(n, 2, d/2).swapaxes(1, 2); invert that.
             w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         if self.spec.norm_offset and name.endswith("norm.weight"):
@@ -480,8 +484,8 @@ class GGUFReader:
         # is spelled in the byte alphabet: one marked control that is not is a llama.cpp mislabel, left out as
         # transformers does (adding it would grow the vocabulary).
         alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if kind == "gpt2" else None
-        tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == CONTROL and (alphabet is None or set(t) <= alphabet)])
+        tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
+                                if ty == CONTROL and (alphabet is None or set(t) <= alphabet)])
         # Added but not special (Qwen3's <think>, Gemma's <start_of_image>-style markers): llama.cpp matches them
         # whole in text and keeps them on decode. As transformers does, only those the vocabulary holds as spelled.
         vocab = tok.get_vocab()
@@ -538,8 +542,8 @@ class GGUFReader:
                                               fuse_unk=True, byte_fallback=True, dropout=None,
                                               unk_token=None if unk is None else tokens[unk]))
         prefix = bool(self._field("tokenizer.ggml.add_space_prefix", True))
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                     prepend_scheme="first" if prefix else "never")
         steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
         return tok

@@ -73,7 +73,8 @@ MODELS = {  # name -> (HF config, GGUF arch, tokenizer kind, transformers loads 
     "llama_bias": ({**BASE, "model_type": "llama", "head_dim": 16, "attention_bias": True}, "llama", "bpe", False),
     # Llama 3.x RoPE scaling (factor 8, original context 8192: llama.cpp assumes 8192 whatever the config says):
     # llama.cpp writes it as rope_freqs.weight, which transformers ignores (it runs the file unscaled)
-    "llama3": ({**BASE, "model_type": "llama", "head_dim": 16, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "llama3": ({**BASE, "model_type": "llama", "head_dim": 16, "rope_theta": 500000.0,
+                "max_position_embeddings": 131072,
                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192}}, "llama", "bpe", False),
     # the text of Mistral3ForConditionalGeneration: llama.cpp's Mistral3Model (a LlamaModel with arch "mistral3")
