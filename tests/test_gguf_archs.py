@@ -393,3 +393,16 @@ def test_llama3_scaling_is_recovered_from_rope_freqs(tmp_path, dim, theta, rope)
     want = families.config_from_hf({**reader.hf_config, "rope_scaling": {"rope_type": "llama3", **rope}})
     np.testing.assert_allclose(inv_freq(ours, dim)[0], inv_freq(want.layers[0].attention.rope, dim)[0], rtol=2e-6)
     assert not np.allclose(inv_freq(ours, dim)[0], inv_freq(dataclasses.replace(ours, kind="default"), dim)[0])
+
+
+def test_qwen2_family_from_hf_safetensors(tmp_path):
+    """The qwen2 family these files import as also reads HF's own checkpoints, sliding layers included (layers
+    i >= max_window_layers slide when use_sliding_window): logits past the window equal HF's."""
+    cfg = {**MODELS["qwen2"][0], "vocab_size": 256, "sliding_window": 4, "max_window_layers": 1}
+    model = build(cfg)
+    model.save_pretrained(tmp_path)
+    ours = jm.load(tmp_path)
+    assert [layer.attention.window for layer in ours.config.layers] == [None, 4]
+    ids = np.random.default_rng(0).integers(0, 256, (2, 24)).astype(np.int32)
+    delta = np.abs(np.asarray(jm.forward(ours, ids)) - logits(model, ids)).max()
+    assert delta <= TOL, f"max |Δ| = {delta:.2e}"
