@@ -115,9 +115,12 @@ def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32
     from jaxmodels import sharding
 
     cfg, reader, fam, tok = open_source(src)
-    if fam.quantized:
-        raise NotImplementedError(f"{cfg.family}: importing onto a mesh is not supported yet; load it without "
-                                  f"a mesh")
+    if fam.quantized:  # DeepSeek's FP8/FP4 layout: each device reads and dequantises only its blocks
+        from converters import deepseek
+
+        src = files.locate(src)
+        return cfg, deepseek.import_sharded(src if src.is_dir() else src.parent, reader, cfg, tok, mesh, rules,
+                                            dtype), tok
     params = import_sharded(reader, cfg, families.name_map(fam, cfg), sharding.shardings(cfg, mesh, rules), dtype,
                             fam.skip, **_plan_kw(fam))
     return cfg, params, tok

@@ -11,14 +11,18 @@ expanded inside the matmul; Engram's table as `table` + `table_scale`, its rows 
 from __future__ import annotations
 
 import logging
+import math
+from pathlib import Path
 
 import numpy as np
 
 from converters import deepseek_quant as dq
-from converters.hf import Part, Quantized, assemble, nonfinite, normalize, source_bytes, stream
+from converters.hf import (Part, Placement, Quantized, assemble, check_values, nonfinite, normalize, np_dtype,
+                           plan_import, source_bytes, stream)
 from converters.safetensors_io import CheckpointError
+from converters.transforms import TRANSFORMS, transpose
 from jaxmodels.families import deepseek_v4 as fam
-from jaxmodels.plan import flatten, mtp_param_specs
+from jaxmodels.plan import flatten, mtp_param_specs, param_specs, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +35,8 @@ class QuantReader:
     """Wraps a reader: each `X.weight` + `X.scale` pair appears as one tensor `X.weight` of the logical shape,
     dequantised (float32; wo_a bf16) or, with keep_quantized, as a `Quantized` record of its bytes."""
 
-    def __init__(self, reader, keep_quantized: bool = False):
-        self.reader, self.keep = reader, keep_quantized
+    def __init__(self, reader, keep_quantized: bool = False, files: dq.SafetensorsFiles | None = None):
+        self.reader, self.keep, self.files = reader, keep_quantized, files
         canon = {canonical(k): k for k in reader.keys()}
         self._scale = {k: canon[c[: -len(".weight")] + ".scale"] for c, k in canon.items()
                        if c.endswith(".weight") and c[: -len(".weight")] + ".scale" in canon}
@@ -81,23 +85,52 @@ class QuantReader:
             return dq.dequant_fp4_experts(w, s, name=name)
         if engram:
             return dq.dequant_fp8_rows(w, s, name=name)
-        block = _block(w, s, name)
+        block = _block(w.shape, s.shape, name)
         return dq.dequant_wo_a(w, s, block, name) if canon.endswith(".wo_a.weight") else dq.dequant_fp8_blocks(w, s, block, name)
 
     def get_slice(self, name, index):
-        return self.get(name)[index]
+        """get(name)[index] (index: slices of the logical shape). With `files`, only the bytes of that block
+        (widened to whole scale blocks: at most a block's rows and columns more) are read and dequantised."""
+        shape = self.shape(name)
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        box = [s.indices(n)[:2] for s, n in zip(index, shape)]
+        if self.files is None or name not in self.files or (self.keep and name in self._scale):
+            return self.get(name)[index]
+        if name not in self._scale:
+            return self.files.read(name, box)
+        scale, canon = self._scale[name], canonical(name)
+        (r0, r1), (c0, c1) = box
+        try:
+            if self._packed(name):  # MXFP4: whole 32-column groups (16 bytes), their scales
+                a, b = c0 // 32 * 32, -(-c1 // 32) * 32
+                w = self.files.read(name, [(r0, r1), (a // 2, b // 2)])
+                s = self.files.read(scale, [(r0, r1), (a // 32, b // 32)])
+                return dq.dequant_fp4_experts(w, s, name=name)[:, c0 - a:c1 - a]
+            if canon.endswith(".engram.embed.weight"):  # per-row scales per 32 columns
+                a, b = c0 // 32 * 32, -(-c1 // 32) * 32
+                w = self.files.read(name, [(r0, r1), (a, b)])
+                s = self.files.read(scale, [(r0, r1), (a // 32, b // 32)])
+                return dq.dequant_fp8_rows(w, s, name=name)[:, c0 - a:c1 - a]
+            B = _block(shape, self.files.shape(scale), name)
+            ra, rb, ca, cb = r0 // B * B, min(-(-r1 // B) * B, shape[0]), c0 // B * B, min(-(-c1 // B) * B, shape[1])
+            w = self.files.read(name, [(ra, rb), (ca, cb)])
+            s = self.files.read(scale, [(ra // B, -(-rb // B)), (ca // B, -(-cb // B))])
+            out = (dq.dequant_wo_a if canon.endswith(".wo_a.weight") else dq.dequant_fp8_blocks)(w, s, B, name)
+            return out[r0 - ra:r1 - ra, c0 - ca:c1 - ca]
+        except TypeError as e:  # a weight or scale of a dtype that is not FP8 / FP4 / E8M0 bytes
+            raise CheckpointError(str(e)) from None
 
     def nbytes(self, name):
         return source_bytes(self.reader, name) + (source_bytes(self.reader, self._scale[name]) if name in self._scale
                                                   else 0)
 
 
-def _block(w, s, name) -> int:
-    """The square block size implied by a weight and its scale grid (32 in V4.1, 128 in V4)."""
+def _block(w_shape, s_shape, name) -> int:
+    """The square block size implied by a weight's shape and its scale grid's (32 in V4.1, 128 in V4)."""
     for b in (32, 128, 64, 16):
-        if (-(-w.shape[0] // b), -(-w.shape[1] // b)) == tuple(s.shape):
+        if (-(-w_shape[0] // b), -(-w_shape[1] // b)) == tuple(s_shape):
             return b
-    raise CheckpointError(f"{name}: scale grid {tuple(s.shape)} does not tile a weight of shape {tuple(w.shape)}")
+    raise CheckpointError(f"{name}: scale grid {tuple(s_shape)} does not tile a weight of shape {tuple(w_shape)}")
 
 
 def backbone(reader, cfg, dtype: str = "float32", token_map=None, keep_quantized: bool = False, done=frozenset(),
@@ -138,16 +171,22 @@ def has_mtp_tensors(reader) -> bool:
 def mtp_items(reader, cfg, dtype: str = "float32", keep_quantized: bool = False, done=frozenset(), bar=None):
     """`hf.stream` items of the `mtp.*` tensors (DeepSeek or HF spelling), none when the config has no MTP and the
     checkpoint none either; the blocks' embed/head copies are the backbone's (left out)."""
-    specs = flatten(mtp_param_specs(cfg))
     mtp = _Only(reader, "mtp.")
+    if specs := _mtp_specs(mtp, cfg):
+        yield from stream(QuantReader(mtp, keep_quantized), cfg, fam.MTP_NAMES, dtype, fam.MTP_SKIP, done=done,
+                          bar=bar, renames=fam.RENAMES, specs=specs, layer=lambda i: (f"mtp/{i}/", ()), what="MTP ",
+                          hint=" (load without MTP to skip them)")
+
+
+def _mtp_specs(mtp, cfg) -> dict:
+    """The flat MTP parameter specs of `cfg`; CheckpointError when the checkpoint has mtp.* tensors but the
+    config no MTP layers."""
+    specs = flatten(mtp_param_specs(cfg))
     if mtp.keys() and not specs:
         raise CheckpointError(f"the checkpoint has {len(mtp.keys())} mtp.* tensors (e.g. {mtp.keys()[0]!r}) "
                               f"but this {cfg.family} config has no MTP layers"
                               + (" (DSpark needs dspark_block_size > 0)" if cfg.family == fam.V41 else ""))
-    if specs:
-        yield from stream(QuantReader(mtp, keep_quantized), cfg, fam.MTP_NAMES, dtype, fam.MTP_SKIP, done=done,
-                          bar=bar, renames=fam.RENAMES, specs=specs, layer=lambda i: (f"mtp/{i}/", ()), what="MTP ",
-                          hint=" (load without MTP to skip them)")
+    return specs
 
 
 def import_mtp(reader, cfg, dtype: str = "float32", keep_quantized: bool = False) -> dict:
@@ -179,3 +218,92 @@ def engram_map(tok, cfg) -> np.ndarray:
     if len(token_map) < cfg.vocab_size:  # ids past the tokenizer (padding rows of the embedding) hash as pad
         token_map = np.concatenate([token_map, np.full(cfg.vocab_size - len(token_map), token_map[2], np.int32)])
     return token_map
+
+
+def import_sharded(root, reader, cfg, tok, mesh, rules="tp", dtype: str = "float32", skip_mtp: bool = False) -> dict:
+    """Device parameters of a DeepSeek checkpoint (safetensors under `root`, `reader` opened on it) placed on
+    `mesh` by `rules` (jaxmodels.sharding), MTP / DSpark blocks included unless skip_mtp: each device reads only
+    the bytes of its own block of each tensor (the block widened to whole quantization blocks, at most 31 or 127
+    rows and columns more) and dequantises only that, so no process holds a whole tensor it does not place.
+    Every name and shape is checked before any data is read, as in the host import."""
+    import jax
+
+    from jaxmodels import sharding
+
+    files = dq.SafetensorsFiles(root, reader.keys()) if any(Path(root).glob("*.safetensors")) else None
+    quant = QuantReader(reader, files=files)
+    if cfg.engram is not None and tok is None:
+        raise CheckpointError("this model uses Engram, which needs the tokenizer (tokenizer.json) to build its "
+                              "compressed-vocabulary map; none was found")
+    parts = [(quant, fam.NAMES, fam.SKIP, dict(derived=fam.DERIVED), flatten(param_specs(cfg)))]
+    mtp = _Only(quant, "mtp.")
+    if mtp.keys() and not skip_mtp:
+        specs = _mtp_specs(mtp, cfg)
+        parts.append((mtp, fam.MTP_NAMES, fam.MTP_SKIP, dict(layer=lambda i: (f"mtp/{i}/", ()), what="MTP ",
+                                                              hint=" (load without MTP to skip them)"), specs))
+    placements: dict[str, list[Placement]] = {}
+    for source, names, skip, kw, specs in parts:  # all checked before any tensor is read
+        for pm in plan_import(source, cfg, names, skip, renames=fam.RENAMES, specs=specs, **kw):
+            placements.setdefault(pm.path, []).append((source, pm))
+    specs = {p: s for *_, sp in parts for p, s in sp.items()}
+    auto = sharding.auto_axes(mesh)
+    rules_ = sharding.RULES[rules] if isinstance(rules, str) else dict(rules)
+    target = np_dtype(dtype)
+    derived = {}
+    if cfg.engram is not None:
+        derived["engram_map"] = engram_map(tok, cfg)
+
+    def leaf(path, spec):
+        s = jax.sharding.NamedSharding(auto, sharding.spec_for(spec.axes, spec.shape, mesh, rules_))
+        dt = np.dtype(spec.dtype or target)
+        done: dict = {}  # devices that share a block (replicas) read it once
+
+        def block(idx):
+            key = tuple((i.start, i.stop) for i in idx)
+            if key not in done:
+                done[key] = (derived[path][idx].astype(dt) if path in derived
+                             else _fill(placements.get(path, ()), spec.shape, dt, idx))
+            return done[key]
+
+        placed = sharding.placed_shape(spec.shape, s)
+        if placed == spec.shape:
+            return jax.make_array_from_callback(spec.shape, s, block)
+        return jax.make_array_from_callback(placed, s, lambda idx: sharding.padded_slice(block, spec.shape, idx))
+
+    return unflatten({path: leaf(path, spec) for path, spec in specs.items()})
+
+
+def _fill(placements, shape, dt, idx) -> np.ndarray:
+    """Block `idx` of a parameter of `shape` from its checkpoint placements: each read only for its part."""
+    idx = tuple(slice(*i.indices(n)) for i, n in zip(idx, shape))
+    out = np.zeros(tuple(i.stop - i.start for i in idx), dt)
+    for source, pm in placements:
+        lead = idx[:len(pm.index)]
+        if not all(s.start <= i < s.stop for s, i in zip(lead, pm.index)):
+            continue
+        at = tuple(i - s.start for s, i in zip(lead, pm.index))
+        src = _read_part(source, pm, idx[len(pm.index):])
+        with np.errstate(over="ignore"):
+            out[at] = src
+        check_values(pm.name, src, out[at])
+    return out
+
+
+def _read_part(source, pm: Placement, sub: tuple[slice, ...]) -> np.ndarray:
+    """pm's target restricted to `sub`, read through `source.get_slice` for the transforms whose block maps to
+    one block of the source (copy, T, wo_a); else (none in DeepSeek's name map today) the whole tensor."""
+    want, t = pm.want, pm.transform
+    shape = tuple(s.stop - s.start for s in sub)
+    full = lambda dims: all(s.start == 0 and s.stop == n for s, n in zip(sub[dims], want[dims]))  # noqa: E731
+    if t == "copy":
+        return source.get_slice(pm.name, sub)
+    if t == "T" and full(slice(2, None)):  # [prod(out), in] -> [in, out0, rest...]
+        k = math.prod(want[2:])
+        rows = slice(sub[1].start * k, sub[1].stop * k) if len(want) > 1 else slice(None)
+        return transpose(source.get_slice(pm.name, (rows, sub[0]))).reshape(shape)
+    if t == "wo_a":  # [G*Ro, H*d/G] -> [G, H*d/G, Ro]
+        G, hd, Ro = want
+        src = source.get_slice(pm.name, (slice(sub[0].start * Ro, sub[0].stop * Ro), sub[1]))
+        return np.ascontiguousarray(src.reshape(shape[0], Ro, shape[1])[:, sub[2]].transpose(0, 2, 1))
+    log.debug("%s: transform %r read whole for a block", pm.name, t)
+    return np.asarray(TRANSFORMS[t][1](source.get(pm.name), want))[sub]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -139,3 +140,95 @@ def read_safetensors_tensor(path, name: str) -> np.ndarray:
         raise ValueError(f"{path}: truncated safetensors file (tensor {name!r} ends at byte {base + b})")
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=base + a, shape=(b - a,)) if b > a else np.zeros(0, np.uint8)
     return np.array(mm).view(dt).reshape(shape)
+
+
+# ---- byte-range reads: one block of a tensor without reading the rest (sharded import) ----
+
+RUN_BYTES = 1 << 16  # runs at least this long are read one by one; shorter ones through covering spans
+SPAN_BYTES = 1 << 24  # the largest covering span held at once
+
+
+def read_block(path, offset: int, shape, dtype, index) -> np.ndarray:
+    """Block `index` ((start, stop) per leading dimension; the rest whole) of a C-ordered tensor of `shape` stored
+    at byte `offset` of `path`: only that block's bytes are read (pread, nothing mapped, so nothing but the
+    result stays resident). Rows of at least RUN_BYTES are read one by one; shorter rows (a column block of a
+    narrow matrix) through covering spans of at most SPAN_BYTES, from which the block is copied."""
+    from jaxmodels.checkpoint import aligned_empty, read_into
+
+    dt, shape = np.dtype(dtype), tuple(shape)
+    index = tuple(index) + tuple((0, n) for n in shape[len(index):])
+    ext = tuple(b - a for a, b in index)
+    out = aligned_empty(ext, dt)
+    if not out.size:
+        return out
+    k = len(shape)  # dims k.. are whole: each run is index[k-1] of them, contiguous
+    while k > 0 and index[k - 1] == (0, shape[k - 1]):
+        k -= 1
+    if k == 0:
+        run, starts = out.nbytes, np.zeros(1, np.int64)
+    else:
+        inner = math.prod(shape[k:]) * dt.itemsize
+        run = ext[k - 1] * inner
+        starts = np.zeros((), np.int64) + index[k - 1][0] * inner
+        for d in range(k - 2, -1, -1):
+            stride = math.prod(shape[d + 1:]) * dt.itemsize
+            starts = (np.arange(index[d][0], index[d][1], dtype=np.int64) * stride).reshape(
+                (-1,) + (1,) * starts.ndim) + starts
+        starts = starts.reshape(-1)
+    rows = out.reshape(-1).view(np.uint8).reshape(len(starts), run)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if run >= RUN_BYTES or len(starts) == 1:
+            for j, s in enumerate(starts):
+                read_into(fd, rows[j], offset + int(s))
+            return out
+        j = 0
+        while j < len(starts):
+            m = max(j + 1, int(np.searchsorted(starts, starts[j] + SPAN_BYTES - run, side="right")))
+            span = np.empty(int(starts[m - 1] - starts[j]) + run, np.uint8)
+            read_into(fd, span, offset + int(starts[j]))
+            rel = starts[j:m] - starts[j]
+            step = np.diff(rel)
+            if not step.size or (step == step[0]).all():  # evenly spaced runs (the rows of a matrix): a view
+                rows[j:m] = np.lib.stride_tricks.as_strided(span, (m - j, run), (int(step[0]) if step.size else run, 1))
+            else:
+                rows[j:m] = span[rel[:, None] + np.arange(run)]
+            j = m
+    finally:
+        os.close(fd)
+    return out
+
+
+class SafetensorsFiles:
+    """Where each tensor of a safetensors checkpoint lies (file, dtype, shape, byte offset), from the headers
+    (and the index's weight_map, as SafetensorsReader chooses); `read(name, index)` reads one block of it."""
+
+    def __init__(self, root, names):
+        root = Path(root)
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            where = json.loads(index.read_text())["weight_map"]
+        else:
+            where = {}
+            for path in sorted(root.glob("*.safetensors")):
+                if not path.name.startswith("consolidated"):
+                    where.update({k: path.name for k in read_safetensors_header(path)[0] if k != "__metadata__"})
+        self._at = {}
+        for name in names:
+            path = root / where[name]
+            header, base = read_safetensors_header(path)
+            meta = header[name]
+            if meta["dtype"] not in _ST_DTYPES:
+                raise TypeError(f"{path}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+            self._at[name] = (path, base + meta["data_offsets"][0], tuple(meta["shape"]), _ST_DTYPES[meta["dtype"]])
+
+    def __contains__(self, name):
+        return name in self._at
+
+    def shape(self, name) -> tuple[int, ...]:
+        return self._at[name][2]
+
+    def read(self, name, index) -> np.ndarray:
+        """index: (start, stop) per leading dimension. F8_E4M3 as float8_e4m3fn, F8_E8M0 as raw bytes."""
+        path, offset, shape, dt = self._at[name]
+        return read_block(path, offset, shape, dt, index)

@@ -243,9 +243,8 @@ def load_params(path: str | Path, cfg: ModelConfig, sharding_of=None, verify: bo
         raise
     check_shapes(cfg, {p: (shape, str(dtype)) for p, (_, shape, dtype, _) in leaves.items()})
     if sharding_of is not None:
-        return plan.unflatten({p: jax.make_array_from_callback(
-            shape, sharding_of(p), lambda idx, f=f, o=o, s=shape, d=dtype: _read_slice(f, o, s, d, idx))
-            for p, (f, shape, dtype, o) in leaves.items()})
+        return plan.unflatten({p: _restore_sharded(f, o, shape, dtype, sharding_of(p))
+                               for p, (f, shape, dtype, o) in leaves.items()})
 
     def one(item):
         p, (file, shape, dtype, offset) = item
@@ -285,6 +284,22 @@ def stored_leaves(where: Path) -> dict[str, tuple[Path, tuple[int, ...], np.dtyp
             raise ValueError(f"{file}: holds tensor {name!r}, not {leaf!r}; convert the model again")
         out[leaf] = (file, shape, dtype, offset)
     return out
+
+
+def _restore_sharded(file: Path, offset: int, shape, dtype, s):
+    """One leaf placed by sharding `s`, each device reading only its block; a table split along rows its mesh
+    axes do not divide is zero-padded to `sharding.placed_shape` (see jaxmodels/sharding.py, PADDED)."""
+    import jax
+
+    from jaxmodels import sharding
+
+    def read(idx):
+        return _read_slice(file, offset, shape, dtype, idx)
+
+    placed = sharding.placed_shape(shape, s) if isinstance(s, jax.sharding.NamedSharding) else tuple(shape)
+    if placed == tuple(shape):
+        return jax.make_array_from_callback(shape, s, read)
+    return jax.make_array_from_callback(placed, s, lambda idx: sharding.padded_slice(read, shape, idx))
 
 
 def _read_slice(file: Path, offset: int, shape, dtype, idx) -> np.ndarray:

@@ -156,13 +156,13 @@ def _mla_specs(cfg: ModelConfig, spec: LayerSpec) -> dict:
     G, Ro, Dq = m.o_groups, m.o_lora_rank, m.q_lora_rank
     out = {"wq_a": _p((D, Dq), ("embed", None)), "q_norm": _norm(Dq), "wq_b": _p((Dq, H * d), (None, "heads")),
            "wkv": _p((D, d), ("embed", None)), "kv_norm": _norm(d),
-           "wo_a": _p((G, H * d // G, Ro), ("heads", None, None)), "wo_b": _p((G * Ro, D), (None, "embed")),
+           "wo_a": _p((G, H * d // G, Ro), ("heads", None, None)), "wo_b": _p((G * Ro, D), ("heads", "embed")),
            "sinks": _p((H,), ("heads",), dtype="float32")}
     if m.compress:
         out["compressor"] = _compressor(D, 2 * d if m.overlap else d, d, m.ratio, m.compressor_gate, m.variant == "v4")
     if m.select == "indexer":
         HI, dI = m.index_heads, m.index_head_dim
-        idx = {"wq_b": _p((Dq, HI * dI), (None, None)), "weights_proj": _p((D, HI), ("embed", None))}
+        idx = {"wq_b": _p((Dq, HI * dI), (None, "heads")), "weights_proj": _p((D, HI), ("embed", "heads"))}
         if m.index_keys == "latent":
             idx |= {"wk": _p((d, dI), (None, None)), "k_norm": _norm(dI)}
         if m.index_keys == "compressor":
@@ -220,7 +220,7 @@ def layer_param_specs(cfg: ModelConfig, spec: LayerSpec) -> dict:
     if spec.engram >= 0:
         e = cfg.engram
         cols, n = (e.max_ngram - 1) * e.n_heads, spec.mhc.copies if spec.mhc else 1
-        out["engram"] = {"table": _p((e.rows[spec.engram], e.head_dim), (None, None)),
+        out["engram"] = {"table": _p((e.rows[spec.engram], e.head_dim), ("table_rows", None)),
                          "wkv": _p((cols * e.head_dim, (n + 1) * D), (None, None)),
                          "q_weight": _p((n, D), (None, "embed"), "ones"), "k_weight": _p((n, D), (None, "embed"), "ones")}
     return out

@@ -6,8 +6,17 @@
 
 Logical names are declared once, with each parameter's shape (`jaxmodels.plan.ParamSpec`). A rule maps a
 logical name to a mesh axis (or a tuple of them). A dimension that a mesh axis does not divide stays
-replicated (e.g. 2 kv heads over tensor=4), so any mesh shape works and only the speed changes.
+replicated (e.g. 2 kv heads over tensor=4), so any mesh shape works and only the speed changes; except the
+rows of lookup tables that are only ever gathered (`PADDED`: DeepSeek V4.1's Engram tables, 384,016,682 rows
+= 2 x a prime), which are split anyway: the placed array gets zero rows appended up to a multiple of the mesh
+axes (`placed_shape`), rows no index reaches (DeepSeek's own converter pads its row shards the same way).
 Activations are pinned through a `Sharding` passed to the executor as an argument (no ambient context).
+
+DeepSeek V4 / V4.1 on these names (jaxmodels/plan.py): `heads` splits the query heads (wq_b's outputs, the
+sinks), the output's head groups (wo_a) and the grouped low-rank latent they project to (wo_b's input, the
+reference's row-parallel split) and the indexer's heads; `experts` the routed experts, `mlp` their width and the
+shared expert's; `table_rows` the Engram tables; the one shared K=V latent, the compressor, the router and the
+mHC mixes stay replicated (small), and the mHC residual streams are activations split only over `batch`.
 """
 from __future__ import annotations
 
@@ -29,12 +38,15 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # presets: logical name -> mesh axis (or tuple); names not listed are replicated
 RULES = {
     "tp": {"batch": "data", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-           "experts": "expert"},
+           "experts": "expert", "table_rows": ("tensor", "expert")},
     "fsdp_tp": {"batch": ("data", "fsdp"), "vocab": "tensor", "embed": "fsdp", "heads": "tensor",
-                "kv_heads": "tensor", "mlp": "tensor", "experts": "expert"},
+                "kv_heads": "tensor", "mlp": "tensor", "experts": "expert", "table_rows": ("fsdp", "tensor", "expert")},
     "ep": {"batch": "data", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "experts": "expert",
-           "mlp": "tensor"},
+           "mlp": "tensor", "table_rows": ("tensor", "expert")},
 }
+# logical names whose dimension is only ever indexed (gathered), never reduced over or produced by a matmul:
+# split over their mesh axes even when those do not divide it, the placed array padded (see `placed_shape`)
+PADDED = frozenset({"table_rows"})
 
 
 def make_mesh(spec: str | dict, devices=None) -> Mesh:
@@ -69,13 +81,14 @@ def entered(shard: "Sharding | None"):
 
 
 def spec_for(names, shape, mesh: Mesh, rules: dict) -> P:
-    """PartitionSpec for logical `names`; axes the mesh lacks, or that do not divide the dim, stay replicated."""
+    """PartitionSpec for logical `names`; axes the mesh lacks, or that do not divide the dim, stay replicated
+    (names in PADDED excepted: split whatever their size)."""
     out, used = [], set()
     for name, dim in zip(names, shape):
         axes = rules.get(name)
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
         axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
-        if axes and dim % math.prod(mesh.shape[a] for a in axes) == 0:
+        if axes and (name in PADDED or dim % math.prod(mesh.shape[a] for a in axes) == 0):
             used.update(axes)
             out.append(axes[0] if len(axes) == 1 else axes)
         else:
@@ -105,11 +118,40 @@ def shardings(cfg, mesh: Mesh, rules="tp") -> dict:
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def placed_shape(shape, s: NamedSharding) -> tuple[int, ...]:
+    """The global shape of an array of `shape` placed by `s`: each dimension rounded up to a multiple of the
+    mesh axes that split it (the same shape where they divide it, as they always do but for PADDED names)."""
+    out = []
+    for i, dim in enumerate(shape):
+        axes = s.spec[i] if i < len(s.spec) else None
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        n = math.prod(s.mesh.shape[a] for a in axes)
+        out.append(-(-dim // n) * n)
+    return tuple(out)
+
+
+def padded_slice(read, shape, idx) -> np.ndarray:
+    """Block `idx` (a device's slices of an array placed by `placed_shape`) of an array of `shape` whose blocks
+    `read(slices)` returns: `read` asked only for the part inside `shape`, zeros past it."""
+    idx = tuple(slice(i.start or 0, n if i.stop is None else i.stop) for i, n in zip(idx, shape))
+    inner = tuple(slice(min(i.start, n), min(i.stop, n)) for i, n in zip(idx, shape))
+    if all(i == j for i, j in zip(idx, inner)):
+        return read(inner)
+    part = np.asarray(read(inner))
+    out = np.zeros(tuple(i.stop - i.start for i in idx), part.dtype)
+    out[tuple(slice(0, i.stop - i.start) for i in inner)] = part
+    return out
+
+
 def shard_params(params: dict, cfg, mesh: Mesh, rules="tp") -> dict:
-    """Place params onto the mesh; each device receives only its slice (also across processes)."""
+    """Place params onto the mesh; each device receives only its slice (also across processes). Leaves split
+    along a PADDED name the mesh does not divide come out zero-padded to `placed_shape`."""
     def place(a, s):
         a = np.asarray(a) if not isinstance(a, jax.Array) or a.is_fully_addressable else a
-        return jax.make_array_from_callback(a.shape, s, lambda idx: a[idx])
+        shape = placed_shape(a.shape, s)
+        if shape == tuple(a.shape):
+            return jax.make_array_from_callback(a.shape, s, lambda idx: a[idx])
+        return jax.make_array_from_callback(shape, s, lambda idx: padded_slice(lambda i: a[i], a.shape, idx))
 
     return jax.tree.map(place, params, shardings(cfg, mesh, rules))
 
