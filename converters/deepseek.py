@@ -86,7 +86,8 @@ class QuantReader:
         if engram:
             return dq.dequant_fp8_rows(w, s, name=name)
         block = _block(w.shape, s.shape, name)
-        return dq.dequant_wo_a(w, s, block, name) if canon.endswith(".wo_a.weight") else dq.dequant_fp8_blocks(w, s, block, name)
+        decode = dq.dequant_wo_a if canon.endswith(".wo_a.weight") else dq.dequant_fp8_blocks
+        return decode(w, s, block, name)
 
     def get_slice(self, name, index):
         """get(name)[index] (index: slices of the logical shape). With `files`, only the bytes of that block
@@ -275,8 +276,11 @@ def import_sharded(root, reader, cfg, tok, mesh, rules="tp", dtype: str = "float
 
 def _fill(placements, shape, dt, idx) -> np.ndarray:
     """Block `idx` of a parameter of `shape` from its checkpoint placements: each read only for its part."""
+    from jaxmodels.checkpoint import aligned_empty
+
     idx = tuple(slice(*i.indices(n)) for i, n in zip(idx, shape))
-    out = np.zeros(tuple(i.stop - i.start for i in idx), dt)
+    out = aligned_empty(tuple(i.stop - i.start for i in idx), dt)  # page-aligned: jax adopts it, no copy
+    out[...] = 0
     for source, pm in placements:
         lead = idx[:len(pm.index)]
         if not all(s.start <= i < s.stop for s, i in zip(lead, pm.index)):
