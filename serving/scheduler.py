@@ -6,6 +6,12 @@ max_model_len). Then waiting requests are admitted first-come first-served while
 last, each starting after its longest cached prefix. When the blocks for a running request's tokens cannot be
 found, the most recently admitted request is preempted: its blocks are freed and it waits again at the front of
 the queue, to be recomputed (prompt and what it generated) when it is admitted again.
+
+Scheduling runs ahead of the device by a step when the engine overlaps them: a request's `computed` advances when
+its piece is scheduled, and its `pending` tokens (sampled by steps in flight, not read back yet) count as its own,
+so a decoding request is scheduled again before its last token is known (the device feeds that token itself). One
+whose pending tokens surely end it (max_tokens, max_model_len) is not scheduled again; one that turns out to have
+stopped (EOS, a stop string) wastes that row of the step, and its extra token is dropped.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ class Scheduler:
     def __init__(self, pool: KVPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  chunked_prefill: bool = True):
         self.pool, self.max_num_seqs, self.chunked = pool, max_num_seqs, chunked_prefill
+        self.max_model_len = max_model_len
         # without chunks a whole prompt must fit a step's budget (as vLLM requires), or long ones would starve
         self.budget = max_num_batched_tokens if chunked_prefill else max(max_num_batched_tokens, max_model_len)
         # A chunk longer than a ring would write over its own earlier blocks before they are cached: with prefix
@@ -45,7 +52,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _size(self, req: Request, budget: int) -> int:
-        need = len(req.tokens) - req.computed
+        if req.pending and self.surely_done(req):
+            return 0
+        need = len(req.tokens) + req.pending - req.computed
         if not self.chunked:
             return need if need <= budget else 0
         n = min(need, budget, self.max_chunk or need)
@@ -55,8 +64,15 @@ class Scheduler:
                 return max(a - req.computed, 0)
         return n
 
+    def surely_done(self, req: Request) -> bool:
+        """Its pending tokens reach max_tokens or max_model_len, whatever they are."""
+        limit = req.params.max_tokens or self.max_model_len
+        return len(req.output) + req.pending >= limit or len(req.tokens) + req.pending >= self.max_model_len
+
     def schedule(self) -> Batch:
         batch = Batch([])
+        for req in self.running:  # publish the blocks the device has been asked to write, whose tokens are known
+            self.pool.register(req.blocks, req.tokens, req.computed)
         budget = self.budget
         i = 0
         while i < len(self.running) and budget > 0:
@@ -74,26 +90,31 @@ class Scheduler:
                     break
                 continue
             batch.pieces.append((req, req.computed, n))
+            req.computed += n
             budget -= n
             i += 1
         while self.waiting and not batch.preempted and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            req.blocks = self.pool.new(req.salt)
+            assert not req.pending, "a preempted request waits until its tokens in flight are read back"
+            row = self.free_rows[-1]
+            req.blocks = self.pool.new(req.salt, req.digests, row if len(self.pool.table) else None)
             req.computed = req.cached = self.pool.reuse(req.blocks, req.tokens)
             n = self._size(req, budget)
             try:
                 if n == 0:
                     raise OutOfBlocks("budget")
                 self.pool.allocate(req.blocks, req.computed, req.computed + n)
-            except OutOfBlocks:
-                self.pool.release(req.blocks)
+            except OutOfBlocks:  # undone without a trace: it tries again next step, its digests kept
+                self.pool.release(req.blocks, touch=False)
                 req.blocks, req.computed, req.cached = None, 0, 0
                 break
+            self.pool.count(req.blocks)
             self.waiting.popleft()
             req.row = self.free_rows.pop()
             self.running.append(req)
             batch.admitted.append(req)
             batch.pieces.append((req, req.computed, n))
+            req.computed += n
             budget -= n
         return batch
 

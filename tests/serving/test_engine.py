@@ -56,6 +56,7 @@ CASES = [  # (family, block size, engine options)
     ("llama", 4, {"enable_prefix_caching": False}),
     ("llama", 4, {"enable_chunked_prefill": False, "max_num_batched_tokens": 16}),
     ("llama", 4, {"kv_blocks": 24}),  # fewer than the requests need at once: preemption
+    ("llama", 4, {"async_scheduling": False}),  # no host/device overlap (the others overlap)
     ("gemma3", 3, {}),  # window 6: rings of 2 blocks wrap, and copy-on-write
     ("gemma3", 3, {"enable_chunked_prefill": False}),
     ("gpt_oss", 2, {"max_num_batched_tokens": 7}),  # sinks; sliding and full layers share one pool
