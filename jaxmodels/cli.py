@@ -182,10 +182,19 @@ def _serve(args) -> int:
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               kv_blocks=args.kv_blocks, block_size=args.block_size,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              enable_prefix_caching=args.prefix_caching)
+                              enable_prefix_caching=args.prefix_caching,
+                              memory_fraction=args.gpu_memory_utilization,
+                              async_scheduling=args.async_scheduling)
     except ValueError as e:  # "max_num_seqs must be ..." -> "--max-num-seqs must be ..."
         field, rest = str(e).split(" ", 1)
-        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+        flag = {"memory_fraction": "gpu-memory-utilization"}.get(field, field.replace("_", "-"))
+        raise ValueError(f"--{flag} {rest}") from None
+    mesh = None
+    if args.mesh:
+        from jaxmodels import sharding
+
+        mesh = sharding.make_mesh(args.mesh)  # a bad spec or device count: one line, before the model loads
+        sharding.Sharding.of(mesh, args.rules)  # an unknown preset too
     # Bind now: a port in use is one line before minutes of loading, not an error after.
     sock = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     import uvicorn
@@ -194,7 +203,7 @@ def _serve(args) -> int:
     from serving.api import build_app
 
     logging.getLogger("jaxmodels").setLevel(logging.INFO)
-    engine = Engine(jm.load(args.model, dtype=args.dtype), config)
+    engine = Engine(jm.load(args.model, dtype=args.dtype, mesh=mesh, rules=args.rules), config)
     from jaxmodels import files
 
     repo_id = not Path(args.model).exists() and files.REPO_ID.match(args.model)
@@ -279,13 +288,23 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched together (default: 64)")
     s.add_argument("--max-model-len", type=int, help="prompt + output tokens per sequence (default: the model's, "
                                                      "at most 8192)")
-    s.add_argument("--kv-blocks", type=int, help="KV-cache blocks per pool (default: from free device memory)")
+    s.add_argument("--kv-blocks", type=int, help="KV-cache blocks per pool (default: from device memory, see "
+                                                 "--gpu-memory-utilization; on a CPU: --max-num-seqs sequences)")
+    s.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                   help="share of each device's memory (as JAX reports it) the server may fill, parameters included; "
+                        "the KV cache gets the rest of it (default: 0.9 where the device reports its memory; refused "
+                        "on a device that reports none, e.g. the CPU: use --kv-blocks)")
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (default: 512)")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued beyond --max-num-seqs before new ones get 429 (default: 1024)")
     s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse the KV cache of common prompt prefixes")
+    s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="do not overlap the host's work with the device step (for comparison)")
+    s.add_argument("--mesh", help="shard over a device mesh, e.g. 'tensor=8' or 'data=2,tensor=4' (axes: data fsdp "
+                                  "tensor expert): parameters by --rules, KV-cache pools split by kv head")
+    s.add_argument("--rules", default="tp", help="sharding preset: tp | fsdp_tp | ep (default: tp)")
     s.add_argument("--dtype", choices=DTYPES, help="cast parameters after loading")
     s.set_defaults(fn=_serve)
     for command in (c, e):

@@ -338,12 +338,14 @@ def test_metrics(client, served, tokenizer):
 
 
 # --------------------------------------------------------------------------------------------------- CLI
-def test_serve_command(model, tokenizer, tmp_path):
+def test_serve_command(model, tokenizer, tmp_path, reference):
+    """The command end to end, sharded over the test's 8 CPU devices (--mesh): the completion is jm.generate's."""
     from converters.orbax_io import save
 
     path = save(tmp_path / "tiny", model.config, model.params, tokenizer)
     cmd = [sys.executable, "-m", "jaxmodels.cli", "serve", "--model", str(path), "--port", "0", "--max-num-seqs",
-           "2", "--max-model-len", "64", "--kv-blocks", "8", "--served-model-name", "cli-model", "--api-key", "k"]
+           "2", "--max-model-len", "64", "--kv-blocks", "8", "--served-model-name", "cli-model", "--api-key", "k",
+           "--mesh", "data=4,tensor=2"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -366,8 +368,10 @@ def test_serve_command(model, tokenizer, tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
-        r = c.completions.create(model="cli-model", prompt=PROMPT, max_tokens=3, temperature=0)
+        r = c.completions.create(model="cli-model", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0)
         assert r.usage.completion_tokens == 3 and r.choices[0].text
+        want = reference["completion"][1][:3]
+        assert r.choices[0].logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in want]
     finally:
         proc.terminate()
     # uvicorn shuts down gracefully (the app's lifespan stops the engine thread), then re-raises the SIGTERM
@@ -394,3 +398,19 @@ def test_serve_bad_arguments_are_one_line(tmp_path):
     r = _cli("--model", str(tmp_path), "--bogus")
     assert r.returncode == 2 and r.stderr.splitlines()[-1] == "jaxmodels: error: unrecognized arguments: --bogus"
     assert "Traceback" not in r.stderr
+    r = _cli("--model", str(tmp_path), "--gpu-memory-utilization", "1.5")
+    assert r.stderr == "jaxmodels serve: error: --gpu-memory-utilization must be in (0, 1], got 1.5\n"
+    r = _cli("--model", str(tmp_path), "--mesh", "data=3")
+    assert r.returncode == 2 and r.stderr == "jaxmodels serve: error: mesh {'data': 3} needs 3 devices, 8 available\n"
+    r = _cli("--model", str(tmp_path), "--mesh", "tensor=8", "--rules", "nope")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown sharding preset 'nope'" in r.stderr
+
+
+def test_serve_memory_fraction_needs_a_device_that_reports_memory(model, tokenizer, tmp_path):
+    from converters.orbax_io import save
+
+    path = save(tmp_path / "tiny", model.config, model.params, tokenizer)
+    r = _cli("--model", str(path), "--port", "0", "--gpu-memory-utilization", "0.5")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "cpu:0 reports no memory statistics, so memory_fraction cannot size the KV cache; pass kv_blocks" \
+        in r.stderr
