@@ -33,6 +33,9 @@ def child(a):
     opts = dict(M.COMPILER_OPTIONS)
     if name.endswith("_triton"):
         opts["xla_gpu_enable_triton_gemm"] = True
+    if name.endswith("_nomerge"):  # XLA's dot merger concatenates wq|wk|wv (weights copied every step) for one GEMM
+        opts["xla_disable_hlo_passes"] = "dot-merger"
+    if name.endswith(("_triton", "_nomerge")):
         G._generate = jax.jit(G._generate.__wrapped__, compiler_options=opts,
                               static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard"))
     hf = dict(GPT_OSS_20B if name.startswith("gpt_oss") else LLAMA31_8B)
@@ -62,7 +65,7 @@ def child(a):
     lo, hi = (4, 12) if a.tiny else (32, 160)
     cases = [(1, 512, 1024), (32, 512, 1024)]
     if name == "llama":
-        cases += [(1, 512, 32768), (1, 8192, 32768), (1, 32000, 32768), (32, 8192, 16384)]
+        cases += [(1, 512, 32768), (1, 8192, 32768), (1, 32000, 32768), (32, 512, 16384), (32, 8192, 16384)]
     if name.startswith("gpt_oss"):
         cases = [(1, 512, 1024), (64, 512, 1024)]
     if name.startswith("depth"):
@@ -110,7 +113,7 @@ def child(a):
         res["batch_generate"] = {"prompts": B, "prompt_tokens": T, "new_tokens": new, "first_call_s": round(first, 2),
                                  "s": round(t, 3), "prompt_tok_s": round(B * T / t), "out_tok_s": round(B * new / t, 1)}
         print(name, "batch generate", res["batch_generate"], flush=True)
-    with open(os.path.join(a.out, f"probe_{name}.json"), "w") as fh:
+    with open(os.path.join(a.out, f"probe_{a.child}.json"), "w") as fh:
         json.dump(res, fh, indent=1)
 
 

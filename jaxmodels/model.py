@@ -29,8 +29,10 @@ from jaxmodels.plan import Plan, flatten, mtp_param_specs, param_specs, plan, un
 F32 = jnp.float32
 # Options for jax.jit of the model's functions. XLA:GPU's Triton GEMM fusions read a scanned layer's weights
 # through a copy of its slice of the stack, made on every step; cuBLAS GEMMs read the stack in place. Llama-8B
-# shape decode on an H200: 11.6 -> 6.2 ms a step at batch 1 (BENCHMARKS.md). Ignored off the GPU.
-COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# shape decode on an H200: 11.6 -> 6.2 ms a step at batch 1 (BENCHMARKS.md). XLA's dot merger makes one GEMM of
+# q/k/v by concatenating wq|wk|wv, a copy of those weights every step (Llama-8B B=32 decode: 6.53 -> 6.13 ms;
+# prefill a little faster too).
+COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "dot-merger"}
 
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -98,7 +100,8 @@ def _layer(cfg: ModelConfig, spec, p, carry, ctx, lc):
 
     def ffn(h):
         if spec.mlp.kind == "moe":
-            return moe.sparse(spec.mlp, p["mlp"], h, ctx["shard"], ctx["tokens"], ctx["act_block"])
+            stack = (ctx["stacks"][ctx["kind"]]["mlp"], ctx["rank"])  # the experts of every layer of this kind
+            return moe.sparse(spec.mlp, p["mlp"], h, ctx["shard"], ctx["tokens"], ctx["act_block"], stack)
         return mlp.gated(spec.mlp, p["mlp"], h, ctx["act_block"])
 
     if spec.engram >= 0:
@@ -143,8 +146,9 @@ def _execute(cfg: ModelConfig, pl: Plan, runs, stacks, carry, ctx, layer_off, ra
             k, r = pl.kind_of[i], pl.rank_of[i]
             params, base = stacks[k]
             p = jax.tree.map(lambda a: a[r - base], params)
-            lc = None if carry.get("cache") is None else kv.LayerCache(carry["cache"], k, r + rank_off[k])
-            carry = _layer(cfg, pl.kinds[k], p, carry, {**ctx, "layer": i + layer_off}, lc)
+            rank = r + rank_off[k]  # in the kind's stack of params and caches
+            lc = None if carry.get("cache") is None else kv.LayerCache(carry["cache"], k, rank)
+            carry = _layer(cfg, pl.kinds[k], p, carry, {**ctx, "layer": i + layer_off, "kind": k, "rank": rank}, lc)
             continue
         layers = range(run.start, run.start + run.period)
         per = {k: sum(pl.kind_of[j] == k for j in layers) for k in {pl.kind_of[j] for j in layers}}
@@ -270,6 +274,7 @@ def hidden(params, cfg: ModelConfig, tokens, positions, mode: str, cache=None, l
         ctx["taps"] = np.array([targets.index(i) if i in targets else -1 for i in range(cfg.num_layers)], np.int32)
         carry["mains"] = jnp.zeros((*tokens.shape, len(targets) * cfg.hidden_size), F32)
     stacks = {k: (params["layers"][str(k)], 0) for k in range(len(pl.kinds))}
+    ctx["stacks"] = {k: s for k, (s, _) in stacks.items()}
     carry = _execute(cfg, pl, pl.runs, stacks, carry, ctx, 0, {k: 0 for k in stacks})
     X = carry["x"]
     if cfg.mhc is not None:  # V4.1: collapse with the last FFN pre-mix; V4: a learned collapse

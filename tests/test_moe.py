@@ -191,11 +191,11 @@ def test_batched_input_shape_under_jit():
 
 # ------------------------------------------------------------------ forced routing: empty experts, one expert
 
-def forced(spec, boost, seed=0, n=11):
+def forced(spec, boost, seed=0, n=11, d=D):
     """x has a constant feature 0 = 1; router row 0 adds `boost[e]` to expert e's logit for every token."""
-    p = make_params(spec, seed)
+    p = make_params(spec, seed, d)
     p["router"] = p["router"].at[0].set(jnp.asarray(boost, jnp.float32))
-    x = make_x(n, seed + 1).at[:, 0].set(1.0)
+    x = make_x(n, seed + 1, d).at[:, 0].set(1.0)
     return p, x
 
 
@@ -233,20 +233,37 @@ def test_all_tokens_pick_the_same_experts(router, renormalize, E, k, hot):
     np.testing.assert_allclose(ys, np_moe(spec, p, x), atol=ATOL, rtol=ATOL)
 
 
-@pytest.mark.parametrize("n,tile,ep", [(1, 4, False), (3, 8, True), (4, 4, False), (2, 16, True)])
-def test_tile_aligned_groups_equal_dense(monkeypatch, n, tile, ep):
-    """Where the GPU kernel runs, each expert's rows start on a tile boundary (zero rows pad its tiles), decode
-    included. Forced here on the CPU (lax.ragged_dot over the padded groups), with empty experts and, under expert
-    parallelism, other devices' rows: equals dense."""
+@pytest.mark.parametrize("n,ep", [(1, False), (1, True), (4, False)])  # EP: 2 experts a device
+def test_gathered_kernel_equals_dense(monkeypatch, n, ep):
+    """Few assignments (decode) go through the gathered-experts kernel on the GPU: run here by Pallas' interpreter,
+    with empty experts and, under expert parallelism, other devices' rows, it equals dense."""
     from jaxmodels import sharding
+    from jaxmodels.layers import gathered
 
-    monkeypatch.setattr(moe.grouped, "row_tile", lambda x, w: tile)
-    spec = spec_of(8, 2, "softmax_topk", True, router_bias=True, bias=True, shared=8)
-    p, x = forced(spec, [-40.0 if e in (0, 3, 7) else 0.0 for e in range(8)], n=n)
+    kernel = gathered.matmul
+    spec = spec_of(8, 2, "softmax_topk", True, router_bias=True, bias=True, shared=8, I=32)
+    p, x = forced(spec, [-40.0 if e in (0, 3, 7) else 0.0 for e in range(8)], n=n, d=32)  # widths the kernel tiles
+    calls = []
+    monkeypatch.setattr(moe.gathered, "matmul", lambda *a: calls.append(1) or kernel(*a, interpret=True))
     shard = sharding.Sharding.of(sharding.make_mesh("data=2,expert=4"), "ep") if ep else None
-    ys = jax.jit(lambda p, x: moe.sparse(spec, p, x, shard=shard))(p, x)
+    # this layer as rank 1 of a 3-layer stack, which the kernel reads in place (ignored under expert parallelism)
+    stack = ({k: jnp.stack([v * 7 + 1, v, -v]) for k, v in p.items() if k in moe.EXPERT_PARAMS}, jnp.int32(1))
+    ys = jax.jit(lambda p, x, stack: moe.sparse(spec, p, x, shard=shard, stack=stack))(p, x, stack)
+    assert calls, "the few-assignment path did not run"
     np.testing.assert_allclose(np.asarray(ys), np.asarray(moe.dense(spec, p, x)), atol=ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(ys), np_moe(spec, p, x), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("n,G,K,N", [(1, 4, 16, 32), (5, 8, 48, 96), (12, 3, 64, 256)])
+def test_gathered_matmul_kernel(n, G, K, N):
+    """The kernel (interpreted) against x[i] @ w[ids[i]] in NumPy, repeated and unused experts included."""
+    from jaxmodels.layers import gathered
+
+    rng = np.random.default_rng(n + G)
+    x, w = rng.standard_normal((n, K), np.float32), rng.standard_normal((G, K, N), np.float32)
+    ids = rng.integers(0, G, n)
+    got = gathered.matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids), interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("nk,nkf->nf", x, w[ids]), atol=1e-4, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ routing semantics

@@ -24,13 +24,6 @@ def ragged_dot(x, w, sizes):
     return _mosaic(x, w, sizes)
 
 
-def row_tile(x, w) -> int:
-    """Rows per kernel tile for these operands (1 where `lax.ragged_dot` runs). The kernel computes every tile a
-    group touches, and an empty group starting inside a tile still costs one, reading that expert's weights:
-    callers starting each group on a tile boundary read only the routed experts (decode)."""
-    return TILES["block_m"] if _fits(x, w) else 1
-
-
 def _hopper() -> bool:
     if jax.default_backend() != "gpu":
         return False

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmodels.config import MLPSpec
-from jaxmodels.layers import grouped, mlp, qdq
+from jaxmodels.layers import gathered, grouped, mlp, qdq
 
 F32 = jnp.float32
 SCORES = {"softmax": lambda s: jax.nn.softmax(s, axis=-1), "sigmoid": jax.nn.sigmoid,
@@ -60,8 +60,10 @@ def _expert_out(spec, p, x, e, ragged=None):
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
 
-def sparse(spec: MLPSpec, p, x, shard=None, tokens=None, act_block: int | None = None):
+def sparse(spec: MLPSpec, p, x, shard=None, tokens=None, act_block: int | None = None, stack=None):
     """Dropless routed experts (+ shared expert). x [..., D]; tokens [...] for hash routing.
+    stack: (this kind's MLP params stacked over its layers, this layer's index) for kernels that read the
+    experts of a scanned layer in place.
 
     Under a `shard` whose rules split `experts` over a mesh axis, each device computes only its own experts'
     assignments (routing is replicated) and one psum over that axis combines them (`shard_map`).
@@ -75,7 +77,7 @@ def sparse(spec: MLPSpec, p, x, shard=None, tokens=None, act_block: int | None =
     w = w.astype(xt.dtype)
     ep = shard.expert_axis(spec.num_experts) if shard is not None else None
     if ep is None:
-        out = _routed(spec, p, xt, w, idx, 0)
+        out = _routed(spec, p, xt, w, idx, 0, None if shard is not None else stack)
     else:
         mesh, axis = ep
         experts = {k: v for k, v in p.items() if k in EXPERT_PARAMS}
@@ -90,63 +92,44 @@ def sparse(spec: MLPSpec, p, x, shard=None, tokens=None, act_block: int | None =
     return _shared(spec, p, xt, out).reshape(shape)
 
 
-def _routed(spec, p, xt, w, idx, first):
+def _routed(spec, p, xt, w, idx, first, stack=None):
     """Sum of the assignments to the experts in `p` (global ids first ..); other assignments add 0.
 
-    Rows are sorted by expert into one grouped matmul per matrix. Where the Mosaic GPU kernel runs it computes
-    ~rows/tile + experts tiles whatever the group sizes, and an empty group starting inside a tile reads its
-    expert: with few assignments (decode) each group then starts on a tile boundary, so only the routed experts'
-    weights are read (GPT-OSS-20B, H200: B=1 decode 11.5 ms vs 14.2 gathered), while more rows keep the plain
-    layout (aligned cost B=64 decode and prefill 30-57% more). Elsewhere few assignments (tokens * top_k <=
-    experts) gather just the chosen experts' weights, as do experts kept quantized (just their bytes; their
-    grouped path expands every expert once).
+    Few assignments (tokens * top_k <= experts: decode) read only their experts' weights (`_gathered`); more go
+    sorted by expert through one grouped matmul per matrix. Experts kept quantized gather just their bytes there,
+    and on the grouped path expand every expert once.
     """
     E = jax.tree.leaves(p["w_gate"])[0].shape[0]
     local = idx - first
     mine = (local >= 0) & (local < E)
     w = jnp.where(mine, w, 0)
-    quantized = isinstance(p["w_gate"], dict)
-    n = xt.shape[0] * spec.top_k
-    tile = 1 if quantized else grouped.row_tile(xt, p["w_gate"])
-    if n <= E and tile == 1:
-        return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1))
-    if n > E:
-        tile = 1
-    if quantized:  # expand every expert once, [E, in, out]
+    if xt.shape[0] * spec.top_k <= E:
+        return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1), stack)
+    if isinstance(p["w_gate"], dict):  # expand every expert once, [E, in, out]
         p = p | {k: jnp.swapaxes(qdq.dequant(p[k], xt.dtype), -1, -2) for k in ("w_gate", "w_up", "w_down")}
     flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token, sorted_e = order // spec.top_k, flat[order]
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     e = jnp.minimum(sorted_e, E - 1)  # other devices' rows sort last, past every group, and come out zero
-    y = _expert_out(spec, p, xt[token], e, ragged=sizes) if tile == 1 else _aligned(spec, p, xt[token], sorted_e,
-                                                                                    sizes, tile)
+    y = _expert_out(spec, p, xt[token], e, ragged=sizes)
     y = y * w.reshape(-1)[order][:, None]
     return jnp.zeros_like(xt).at[token].add(y.astype(xt.dtype))
 
 
-def _aligned(spec, p, xs, sorted_e, sizes, tile):
-    """`_expert_out` of expert-sorted rows xs [n, D] with each group moved to start on a tile boundary."""
-    n, E = xs.shape[0], sizes.shape[0]
-    padded = -(-sizes // tile) * tile  # each group's rows rounded up to whole tiles
-    rows = n + min(n, E) * (tile - 1)  # a static bound on sum(padded)
-    start, pstart = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded
-    e = jnp.minimum(sorted_e, E - 1)
-    dest = jnp.where(sorted_e < E, pstart[e] + jnp.arange(n) - start[e], rows)  # other devices' rows: dropped
-    xp = jnp.zeros((rows, xs.shape[1]), xs.dtype).at[dest].set(xs, mode="drop")
-    row_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(rows), side="right"), E - 1)
-    return _expert_out(spec, p, xp, row_e, ragged=padded).at[dest].get(mode="fill", fill_value=0)
-
-
-def _gathered(spec, p, xt, w, idx):
-    """Each (token, slot) reads only its expert's matrices: weight bytes ~ tokens * top_k experts."""
+def _gathered(spec, p, xt, w, idx, stack=None):
+    """Each (token, slot) reads only its expert's matrices: weight bytes ~ tokens * top_k experts
+    (`gathered.matmul`: a kernel on the GPU; given `stack`, it reads every layer's stack in place)."""
     e = idx.reshape(-1)
     rows = jnp.repeat(xt, spec.top_k, axis=0)
 
     def mm(a, name):
         if isinstance(p[name], dict):  # kept quantized [E, out, in]: expand only the chosen experts' bytes
             return jnp.einsum("nd,nfd->nf", a, qdq.dequant({k: v[e] for k, v in p[name].items()}, a.dtype))
-        return jnp.einsum("nd,ndf->nf", a, p[name][e])
+        if stack is None:
+            return gathered.matmul(a, p[name], e)
+        whole, layer = stack[0][name], stack[1]  # [L, E, K, N]: expert e of this layer is row layer * E + e
+        return gathered.matmul(a, whole.reshape(-1, *whole.shape[2:]), layer * whole.shape[1] + e)
 
     g, u = mm(rows, "w_gate"), mm(rows, "w_up")
     if spec.bias:

@@ -127,6 +127,22 @@ def test_decode_step_with_kernel_equals_without(monkeypatch):
     _close(got, want, 2e-2)
 
 
+@pytest.mark.parametrize("n,G,K,N", [(4, 32, 2880, 2880), (32, 32, 2880, 5760), (8, 384, 4096, 2048), (6, 8, 48, 96)])
+def test_gathered_matmul_equals_einsum(n, G, K, N):
+    """The gathered-experts GEMV against the XLA gather + einsum (fp32 accumulation of the same bf16 operands)."""
+    from jaxmodels.layers import gathered
+
+    kx, kw, ki = jax.random.split(jax.random.key(n + G), 3)
+    x = jax.random.normal(kx, (n, K), BF16)
+    w = (jax.random.normal(kw, (G, K, N), F) * K ** -0.5).astype(BF16)
+    ids = jax.random.randint(ki, (n,), 0, G)
+    assert gathered.fits(x, w)
+    got = jax.jit(gathered.matmul)(x, w, ids)
+    want = jax.jit(lambda x, w, i: jnp.einsum("nk,nkf->nf", x.astype(F), w[i].astype(F)))(x, w, ids)
+    assert got.dtype == BF16 and got.shape == (n, N)
+    _close(got, want, 1e-2)
+
+
 if __name__ == "__main__":  # the GPU machine may lack pytest
     import sys
 
