@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels import checkpoint, files, model as _model, multimodal, plan as _plan, sharding
+from jaxmodels import checkpoint, files, model as _model, multimodal, sharding
 from jaxmodels.layers import vision as _vision
 from jaxmodels.config import AttentionSpec, LayerSpec, MLPSpec, ModelConfig, RopeSpec
 from jaxmodels.generate import GenerateOutput, generate
@@ -58,12 +58,9 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
     path = files.locate(path)
     if checkpoint.is_converted(path):
         cfg = checkpoint.load_config(path)
-        sharding_of = None
-        if mesh is not None:  # by the rules where the plan names the axes; the rest (MTP, quantized bytes) replicated
-            placed = _plan.flatten(sharding.shardings(cfg, mesh, rules))
-            replicated = jax.sharding.NamedSharding(sharding.auto_axes(mesh), jax.sharding.PartitionSpec())
-            sharding_of = lambda p: placed.get(p, replicated)  # noqa: E731
-        params = checkpoint.load_params(path, cfg, sharding_of, verify)
+        # on a mesh, every leaf by the rules: MTP blocks and the parts of weights kept quantized too
+        where = None if mesh is None else sharding.placement(cfg, mesh, rules)
+        params = checkpoint.load_params(path, cfg, verify=verify, placement=where)
         params = jax.tree.map(jnp.asarray, params) if mesh is None else params
         tok = Tokenizer.from_dir(path)
     else:

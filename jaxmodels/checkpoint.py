@@ -217,18 +217,27 @@ def _few(paths: list[str]) -> str:
     return ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
 
 
-def load_params(path: str | Path, cfg: ModelConfig, sharding_of=None, verify: bool = True) -> dict:
+def load_params(path: str | Path, cfg: ModelConfig, sharding_of=None, verify: bool = True, placement=None) -> dict:
     """Restore params, after checking the files against their checksums (`verify`) and the stored shapes against
     the config. sharding_of(param path) -> jax.sharding.Sharding: restore each leaf straight into it (each device
-    reads only its shards); the stored shapes and dtypes come from the checkpoint's own metadata.
+    reads only its shards); the stored shapes and dtypes come from the checkpoint's own metadata. placement(leaf
+    path, stored shape) -> Sharding does the same where the shape decides (`jaxmodels.sharding.placement`: the
+    parts of weights kept quantized, split like their parameter).
 
     Unsharded on one process, each file is read once: its checksum is taken from the buffer it is read into,
     and jax adopts that buffer (on CPU, no copy: host memory stays at the model's bytes)."""
     import jax
 
+    if placement is not None and sharding_of is not None:
+        raise ValueError("load_params: give sharding_of or placement, not both")
     if load_meta(path).get("format_version") in (1, 2):
+        if placement is not None:  # orbax restores by path: the stored shapes are the planned ones
+            specs = plan.flatten(plan.param_specs(cfg)) | plan.flatten(plan.mtp_param_specs(cfg))
+            sharding_of = lambda p: placement(p, specs[p].shape if p in specs else ())  # noqa: E731
         return _load_orbax(path, cfg, sharding_of, verify)
     where = Path(path).absolute() / "params"
+    if placement is not None:
+        sharding_of = placement
     fused = verify and sharding_of is None and jax.process_count() == 1
     recorded = None
     if fused and (recorded := _recorded(path)) is not None:
@@ -243,8 +252,8 @@ def load_params(path: str | Path, cfg: ModelConfig, sharding_of=None, verify: bo
         raise
     check_shapes(cfg, {p: (shape, str(dtype)) for p, (_, shape, dtype, _) in leaves.items()})
     if sharding_of is not None:
-        return plan.unflatten({p: _restore_sharded(f, o, shape, dtype, sharding_of(p))
-                               for p, (f, shape, dtype, o) in leaves.items()})
+        return plan.unflatten({p: _restore_sharded(f, o, shape, dtype, sharding_of(p, shape) if placement else
+                                                   sharding_of(p)) for p, (f, shape, dtype, o) in leaves.items()})
 
     def one(item):
         p, (file, shape, dtype, offset) = item

@@ -21,6 +21,7 @@ mHC mixes stay replicated (small), and the mHC residual streams are activations 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -143,17 +144,62 @@ def padded_slice(read, shape, idx) -> np.ndarray:
     return out
 
 
-def shard_params(params: dict, cfg, mesh: Mesh, rules="tp") -> dict:
-    """Place params onto the mesh; each device receives only its slice (also across processes). Leaves split
-    along a PADDED name the mesh does not divide come out zero-padded to `placed_shape`."""
-    def place(a, s):
-        a = np.asarray(a) if not isinstance(a, jax.Array) or a.is_fully_addressable else a
-        shape = placed_shape(a.shape, s)
-        if shape == tuple(a.shape):
-            return jax.make_array_from_callback(a.shape, s, lambda idx: a[idx])
-        return jax.make_array_from_callback(shape, s, lambda idx: padded_slice(lambda i: a[i], a.shape, idx))
+# the parts of a weight kept quantized (DeepSeek's FP8 / FP4, converters/deepseek.py), as jaxmodels.checkpoint
+# stores them: the bytes [..., out, in] (FP4: two inputs a byte) and their E8M0 scales; the Engram table's scales
+QUANTIZED_PARTS = ("/fp8", "/fp4", "/scale", "_scale")
 
-    return jax.tree.map(place, params, shardings(cfg, mesh, rules))
+
+def stored_spec(cfg, path: str, shape, mesh: Mesh, rules="tp") -> P:
+    """PartitionSpec of any leaf params hold: a parameter of the plan (MTP blocks included) by its logical axes,
+    or a part of a weight kept quantized, split like that parameter's out and in axes (the bytes are [..., out,
+    in], the parameter [..., in, out]) where the mesh axes divide the dimension in whole scale blocks (32 x 32 or
+    128 x 128 for FP8, 32 inputs for FP4), so that a device's bytes and scales cover the same blocks; the Engram
+    table's scales by its rows. Anything else is replicated."""
+    rules, specs = _rules(rules), _stored_specs(cfg)
+    if path in specs:
+        return spec_for(specs[path].axes, specs[path].shape, mesh, rules)
+    part = next((x for x in QUANTIZED_PARTS if path.endswith(x) and path[: -len(x)] in specs), None)
+    if part is None or len(shape) < 2:
+        return P()
+    s = specs[path[: -len(part)]]
+    if part == "_scale":
+        return spec_for(s.axes, (*s.shape[:-1], shape[-1]), mesh, rules)
+    (i_name, o_name), (i, o) = s.axes[-2:], s.shape[-2:]
+    if part == "/fp4" or (part == "/scale" and shape[-2] == o):  # MXFP4: a scale per row and 32 inputs
+        units = (o, i // 32 if i % 32 == 0 else 1)
+    else:  # FP8: a scale per B x B block
+        b = cfg.quant_block
+        units = (o // b if o % b == 0 else 1, i // b if i % b == 0 else 1)
+    return spec_for((*s.axes[:-2], o_name, i_name), (*s.shape[:-2], *units), mesh, rules)
+
+
+@functools.lru_cache(maxsize=16)
+def _stored_specs(cfg) -> dict:
+    return plan.flatten(plan.param_specs(cfg)) | plan.flatten(plan.mtp_param_specs(cfg))
+
+
+def placement(cfg, mesh: Mesh, rules="tp"):
+    """(leaf path, stored shape) -> NamedSharding of every leaf params may hold (see `stored_spec`)."""
+    auto = auto_axes(mesh)
+    return lambda path, shape: NamedSharding(auto, stored_spec(cfg, path, shape, mesh, rules))
+
+
+def place(a, s: NamedSharding):
+    """One host (or fully addressable) array placed by `s`, each device given only its block; zero-padded to
+    `placed_shape` where s splits a PADDED dimension the mesh does not divide."""
+    a = np.asarray(a) if not isinstance(a, jax.Array) or a.is_fully_addressable else a
+    shape = placed_shape(a.shape, s)
+    if shape == tuple(a.shape):
+        return jax.make_array_from_callback(a.shape, s, lambda idx: a[idx])
+    return jax.make_array_from_callback(shape, s, lambda idx: padded_slice(lambda i: a[i], a.shape, idx))
+
+
+def shard_params(params: dict, cfg, mesh: Mesh, rules="tp") -> dict:
+    """Place params onto the mesh; each device receives only its slice (also across processes). Every leaf is
+    placed by `stored_spec`: the plan's parameters, MTP blocks and the parts of weights kept quantized. Leaves
+    split along a PADDED name the mesh does not divide come out zero-padded to `placed_shape`."""
+    where = placement(cfg, mesh, rules)
+    return plan.unflatten({p: place(a, where(p, np.shape(a))) for p, a in plan.flatten(params).items()})
 
 
 # ------------------------------------------------------------------------------------ activations
