@@ -1,7 +1,8 @@
 """Import straight from DeepSeek's FP8/FP4 layout onto a mesh (#13 §2): `jm.load(src, mesh=...)` equals the host
 import bit for bit, each device reads only its block of each tensor (byte ranges: pread, nothing mapped) and
 dequantises only that, and host memory never holds a whole dequantised tensor (peak RSS of a load in a
-subprocess, against a control that reads whole tensors)."""
+subprocess, against a control that reads whole tensors). A model converted with keep_quantized loads onto a mesh
+with its FP8/FP4 bytes and scales split like their parameters."""
 import json
 import math
 import os
@@ -35,14 +36,14 @@ def host(ckpt):
     return {k: np.asarray(v) for k, v in plan.flatten(jm.load(ckpt).params).items()}
 
 
-def _equal_to_host(params, host, what):
-    flat = plan.flatten(params)
+def _equal_to_host(flat, host, what):
+    """Every leaf of `flat` (leaf path -> array) equals the host import's (padding rows zero)."""
     assert flat.keys() == host.keys(), (what, set(flat) ^ set(host))
     for path, want in host.items():
         got = np.asarray(flat[path])
         assert got.dtype == want.dtype, (what, path, got.dtype)
         if got.shape != want.shape:  # an Engram table split along rows the mesh does not divide: zero rows after
-            assert path.endswith("engram/table"), (what, path, got.shape, want.shape)
+            assert path.endswith(("engram/table", "engram/table_scale")), (what, path, got.shape, want.shape)
             pad = tuple(slice(n, None) if n != g else slice(None) for n, g in zip(want.shape, got.shape))
             assert not got[pad].any(), (what, path)
             got = got[tuple(slice(0, n) for n in want.shape)]
@@ -53,7 +54,7 @@ def _equal_to_host(params, host, what):
 def test_import_onto_a_mesh_equals_the_host_import(ckpt, host, spec, rules):
     """Backbone, Engram map and DSpark blocks, placed by the rules, each leaf bit-identical to `jm.load(src)`."""
     m = jm.load(ckpt, mesh=sharding.make_mesh(spec), rules=rules)
-    _equal_to_host(m.params, host, spec)
+    _equal_to_host(plan.flatten(m.params), host, spec)
     wq_b = plan.flatten(m.params)["layers/1/attn/wq_b"]
     assert wq_b.sharding.spec == (P(None, None, None) if rules == "ep" else P(None, None, "tensor"))
     table = plan.flatten(m.params)["layers/0/engram/table"]  # 660 rows
@@ -68,8 +69,8 @@ def test_import_with_128_blocks(tmp_path):
     deepseek_ckpt.write_checkpoint(str(tmp_path), hf, seed=3)
     deepseek_ckpt.write_word_tokenizer(tmp_path, hf["text_config"]["vocab_size"])
     want = {k: np.asarray(v) for k, v in plan.flatten(jm.load(tmp_path).params).items()}
-    _equal_to_host(jm.load(tmp_path, mesh=sharding.make_mesh("fsdp=2,tensor=4"), rules="fsdp_tp").params, want,
-                   "128 blocks")
+    m = jm.load(tmp_path, mesh=sharding.make_mesh("fsdp=2,tensor=4"), rules="fsdp_tp")
+    _equal_to_host(plan.flatten(m.params), want, "128 blocks")
 
 
 @pytest.mark.parametrize("spec,rules,n", [("tensor=8", "tp", 8), ("data=2,tensor=4", "tp", 4)])
@@ -120,6 +121,59 @@ def test_read_block_reads_only_the_block(tmp_path):
             finally:
                 dq.SPAN_BYTES = old
             np.testing.assert_array_equal(got, a[tuple(slice(*i) for i in index)], err_msg=str((index, span)))
+
+
+# ------------------------------------------------------------------------------------------------- kept quantized
+T, F = "tensor", "fsdp"
+KEPT = {  # leaf -> (spec on tensor=8 "tp", on fsdp=2 x tensor=4 "fsdp_tp"), written out from the rules table
+    "layers/1/attn/wq_b/fp8": (P(None, T, None), P(None, T, None)),  # [1, H*d, Dq]: heads are its rows
+    "layers/1/attn/wq_b/scale": (P(None, T, None), P(None, T, None)),  # 32x32 blocks: 16 rows of them
+    "layers/1/attn/wo_b/fp8": (P(None, None, T), P(None, F, T)),  # [1, D, G*Ro]
+    "layers/1/mlp/w_gate/fp4": (P(None, None, T, None), P(None, None, T, F)),  # [1, E, I, D/2]
+    "layers/1/mlp/w_gate/scale": (P(None, None, T, None), P(None, None, T, F)),  # [1, E, I, D/32]
+    "layers/1/mlp/w_down/fp4": (P(None, None, None, T), P(None, None, F, T)),  # [1, E, D, I/2]
+    "layers/1/mlp/w_down/scale": (P(None, None, None, T), P(None, None, F, T)),  # [1, E, D, I/32]: 8 -> 1 each
+    "layers/0/engram/table": (P(None, T, None), P(None, (F, T), None)),  # FP8 rows, 660 -> 664
+    "layers/0/engram/table_scale": (P(None, T, None), P(None, (F, T), None)),
+    "mtp/0/attn/wq_b/fp8": (P(T, None), P(T, None)),
+}
+
+
+@pytest.fixture(scope="module")
+def kept(ckpt, tmp_path_factory):
+    import converters
+
+    return converters.convert(ckpt, tmp_path_factory.mktemp("kept") / "m", dtype="float32", keep_quantized=True,
+                              progress=False)
+
+
+@pytest.mark.parametrize("spec,rules,which", [("tensor=8", "tp", 0), ("fsdp=2,tensor=4", "fsdp_tp", 1)])
+def test_kept_quantized_weights_are_placed_like_their_parameters(kept, spec, rules, which):
+    """A model converted with keep_quantized and loaded onto a mesh: FP8 bytes and their block scales, FP4 experts
+    and their per-32 scales, the Engram table's rows and scales, the DSpark blocks' weights are split as their
+    parameters are (each device's bytes and scales the same blocks), every byte equal to the unsharded load."""
+    host = {k: np.asarray(v) for k, v in plan.flatten(jm.load(kept).params).items()}
+    mesh = sharding.make_mesh(spec)
+    placed = plan.flatten(jm.load(kept, mesh=mesh, rules=rules).params)
+    _equal_to_host(placed, host, spec)
+    for path, specs in KEPT.items():
+        a = placed[path]
+        assert a.sharding.spec == specs[which], (path, a.sharding.spec)
+        split = [math.prod(mesh.shape[x] for x in ((p,) if isinstance(p, str) else p)) if p else 1
+                 for p in specs[which]]
+        assert {s.data.shape for s in a.addressable_shards} == {tuple(n // k for n, k in zip(a.shape, split))}
+    assert placed["layers/0/engram/table"].shape[1] == placed["layers/0/engram/table_scale"].shape[1] == 664
+
+
+@pytest.mark.slow
+def test_kept_quantized_on_a_mesh_runs_like_one_device(kept):
+    """Slow (two compiles, about 80 s on 2 CPU cores): the kept-quantized V4.1 (FP8 linears and FP4 experts
+    expanded inside the matmuls, FP8 Engram rows after the gather) split over fsdp=2 x tensor=4 gives the logits
+    of the unsharded load."""
+    ids = np.random.default_rng(0).integers(0, 512, (2, 20))
+    want = np.asarray(jm.forward(jm.load(kept), ids))
+    got = np.asarray(jm.forward(jm.load(kept, mesh=sharding.make_mesh("fsdp=2,tensor=4"), rules="fsdp_tp"), ids))
+    assert np.abs(got - want).max() <= 1e-5
 
 
 # ------------------------------------------------------------------------------------------------- host memory
