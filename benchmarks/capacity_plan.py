@@ -146,17 +146,40 @@ def weights(cfg, runtime: bool = True) -> dict:
     return out
 
 
-def per_device_weights(cfg, mesh: dict, rules: str, host_engram: bool = False) -> float:
-    """Bytes of params on one device: each leaf split as the rules place it (PADDED tables rounded up)."""
-    m, r, total = _Mesh(mesh), sharding.RULES[rules], 0.0
+def stored(cfg) -> dict:
+    """{leaf path: (shape, bytes per element, kind)} of our params loaded with keep_quantized (converters/deepseek.py):
+    FP8 linears as bytes [.., out, in] + an E8M0 grid, FP4 experts as [.., out, in/2] + an E8M0 per 32 inputs, the
+    Engram table as FP8 rows + `table_scale`, wo_a bf16, the rest in the plan's dtype (bf16 / fp32 / int32)."""
+    out = {}
     for path, s in leaves(cfg).items():
-        if host_engram and _kind(path, s) == "engram":
-            continue
-        spec = sharding.spec_for(s.axes, s.shape, m, r)
-        split = [math.prod(m.shape[a] for a in ((x,) if isinstance(x, str) else x)) if x else 1 for x in spec]
-        local = tuple(-(-n // k) for n, k in zip(s.shape, split))
-        total += _bytes(_kind(path, s), local, cfg.quant_block, True)
-    return total
+        kind, lead, shape = _kind(path, s), s.shape[:-2], s.shape
+        if kind in ("fp8", "fp4"):
+            i, o = shape[-2:]
+            b = cfg.quant_block
+            if kind == "fp4":
+                out[path + "/fp4"], out[path + "/scale"] = ((*lead, o, i // 2), 1, kind), ((*lead, o, i // 32), 1, kind)
+            else:
+                out[path + "/fp8"] = ((*lead, o, i), 1, kind)
+                out[path + "/scale"] = ((*lead, -(-o // b), -(-i // b)), 1, kind)
+        elif kind == "engram":
+            out[path], out[path + "_scale"] = (shape, 1, kind), ((*shape[:-1], shape[-1] // 32), 1, kind)
+        else:
+            out[path] = (shape, 4 if kind in ("float32", "int32") else 2, kind)
+    return out
+
+
+def _local(cfg, path, shape, mesh: dict, rules: str) -> tuple[int, ...]:
+    """The block of a stored leaf one device holds, placed by jaxmodels.sharding (PADDED rows rounded up)."""
+    m = _Mesh(mesh)
+    spec = sharding.stored_spec(cfg, path, shape, m, rules)
+    split = [math.prod(m.shape[a] for a in ((x,) if isinstance(x, str) else x)) if x else 1 for x in spec]
+    return tuple(-(-n // k) for n, k in zip(shape, split))
+
+
+def per_device_weights(cfg, mesh: dict, rules: str, host_engram: bool = False) -> float:
+    """Bytes of params on one device: each stored leaf split as jm.load places it on that mesh."""
+    return sum(math.prod(_local(cfg, path, shape, mesh, rules)) * size
+               for path, (shape, size, kind) in stored(cfg).items() if not (host_engram and kind == "engram"))
 
 
 def cache(cfg) -> dict:
@@ -194,23 +217,21 @@ def read_per_sequence(cfg, ctx: int, sparse: bool) -> float:
 def step_bytes(cfg, mesh: dict, rules: str, batch: int, ctx: int, sparse: bool) -> float:
     """Bytes one device moves in one decode step of `batch` sequences at context `ctx` (the Engram rows count
     alike wherever the tables are)."""
-    m, r = _Mesh(mesh), sharding.RULES[rules]
-    data = mesh.get("data", 1)
+    moe = cfg.layers[0].mlp
+    picked = 1 - (1 - moe.top_k / moe.num_experts) ** batch  # share of the routed experts the batch reads
     total = 0.0
-    for path, s in plan.flatten(plan.param_specs(cfg)).items():  # MTP left out: plain decoding
-        kind = _kind(path, s)
-        spec = sharding.spec_for(s.axes, s.shape, m, r)
-        split = [math.prod(m.shape[a] for a in ((x,) if isinstance(x, str) else x)) if x else 1 for x in spec]
-        local = tuple(-(-n // k) for n, k in zip(s.shape, split))
-        b = _bytes(kind, local, cfg.quant_block, True)
-        if kind == "fp4":  # the experts the batch picks
-            moe = cfg.layers[0].mlp
-            b *= 1 - (1 - moe.top_k / moe.num_experts) ** batch
+    for path, (shape, size, kind) in stored(cfg).items():
+        if path.startswith("mtp/"):  # plain decoding
+            continue
+        local = _local(cfg, path, shape, mesh, rules)
+        b = math.prod(local) * size
+        if kind == "fp4":
+            b *= picked
         elif kind == "engram" or path == "embed":  # gathered rows only
             rows = batch * (cfg.engram.max_ngram - 1) * cfg.engram.n_heads if kind == "engram" else batch
-            b = min(b, rows * (b / local[-2]))
+            b = min(b, rows * b / local[-2])
         total += b
-    return total + math.ceil(batch / data) * read_per_sequence(cfg, ctx, sparse)
+    return total + math.ceil(batch / mesh.get("data", 1)) * read_per_sequence(cfg, ctx, sparse)
 
 
 def plan_model(name: str, hf: dict) -> dict:
