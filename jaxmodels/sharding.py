@@ -114,9 +114,18 @@ def param_specs(cfg, mesh: Mesh, rules="tp") -> dict:
 
 
 def shardings(cfg, mesh: Mesh, rules="tp") -> dict:
-    mesh = auto_axes(mesh)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, mesh, rules),
-                        is_leaf=lambda x: isinstance(x, P))
+    """NamedShardings for arrays of the planned shapes (jit out_shardings, optimizer state), as a tree shaped
+    like the params. A PADDED split the mesh does not divide is left out here (such arrays cannot take it; the
+    placement of params pads them instead: `place`, `shard_params`, jm.load)."""
+    mesh, flat = auto_axes(mesh), plan.flatten(plan.param_specs(cfg))
+
+    def one(path, spec):
+        shape = flat[path].shape
+        return P(*(None if x is not None and placed_shape((n,), NamedSharding(mesh, P(x)))[0] != n else x
+                   for x, n in zip(spec, shape)))
+
+    return plan.unflatten({p: NamedSharding(mesh, one(p, s)) for p, s in plan.flatten(param_specs(cfg, mesh,
+                                                                                                  rules)).items()})
 
 
 def placed_shape(shape, s: NamedSharding) -> tuple[int, ...]:

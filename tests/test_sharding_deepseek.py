@@ -161,6 +161,22 @@ def test_split_counts_on_tensor8():
     assert placed["layers/1/attn/wkv"].addressable_shards[0].data.size == placed["layers/1/attn/wkv"].size
 
 
+@pytest.mark.parametrize("version", ["v4.1", "v4"])
+def test_shardings_fit_arrays_of_the_planned_shapes(version):
+    """sharding.shardings (jit out_shardings, optimizer state: arrays of the planned shapes) never splits a
+    dimension its mesh axes do not divide: a 660-row Engram table stays whole there on 8 devices, while its
+    placement pads it (above)."""
+    cfg = config(version)
+    specs = plan.flatten(plan.param_specs(cfg))
+    for spec, rules in MESHES:
+        flat = plan.flatten(sharding.shardings(cfg, sharding.make_mesh(spec), rules))
+        for path, s in flat.items():
+            assert sharding.placed_shape(specs[path].shape, s) == specs[path].shape, (spec, path, s.spec)
+        if version == "v4.1":
+            split = flat["layers/0/engram/table"].spec[1] is not None
+            assert split == (spec in ("data=2,tensor=4", "data=2,expert=4")), spec  # 660 = 4 x 165
+
+
 def golden_specs() -> dict:
     """{preset: {version: {param path: spec}}} on a (fsdp=2, tensor=2, expert=2) mesh."""
     mesh = sharding.make_mesh("data=1,fsdp=2,tensor=2,expert=2")
