@@ -247,15 +247,14 @@ def import_sharded(root, reader, cfg, tok, mesh, rules="tp", dtype: str = "float
         for pm in plan_import(source, cfg, names, skip, renames=fam.RENAMES, specs=specs, **kw):
             placements.setdefault(pm.path, []).append((source, pm))
     specs = {p: s for *_, sp in parts for p, s in sp.items()}
-    auto = sharding.auto_axes(mesh)
-    rules_ = sharding.RULES[rules] if isinstance(rules, str) else dict(rules)
+    where = sharding.placement(cfg, mesh, rules)
     target = np_dtype(dtype)
     derived = {}
     if cfg.engram is not None:
         derived["engram_map"] = engram_map(tok, cfg)
 
     def leaf(path, spec):
-        s = jax.sharding.NamedSharding(auto, sharding.spec_for(spec.axes, spec.shape, mesh, rules_))
+        s = where(path, spec.shape)
         dt = np.dtype(spec.dtype or target)
         done: dict = {}  # devices that share a block (replicas) read it once
 
@@ -306,7 +305,7 @@ def _read_part(source, pm: Placement, sub: tuple[slice, ...]) -> np.ndarray:
         rows = slice(sub[1].start * k, sub[1].stop * k) if len(want) > 1 else slice(None)
         return transpose(source.get_slice(pm.name, (rows, sub[0]))).reshape(shape)
     if t == "wo_a":  # [G*Ro, H*d/G] -> [G, H*d/G, Ro]
-        G, hd, Ro = want
+        Ro = want[2]
         src = source.get_slice(pm.name, (slice(sub[0].start * Ro, sub[0].stop * Ro), sub[1]))
         return np.ascontiguousarray(src.reshape(shape[0], Ro, shape[1])[:, sub[2]].transpose(0, 2, 1))
     log.debug("%s: transform %r read whole for a block", pm.name, t)

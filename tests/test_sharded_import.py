@@ -192,8 +192,12 @@ def status(key):  # VmRSS / VmHWM (its peak) in bytes; ru_maxrss would start fro
 
 
 def load():
-    with open("/proc/self/clear_refs", "w") as f:  # the peak restarts from the current RSS
-        f.write("5")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:  # the peak restarts from the current RSS
+            f.write("5")
+    except OSError:
+        print(json.dumps({"skip": "cannot reset the peak RSS (/proc/self/clear_refs)"}))
+        sys.exit(0)
     before, t0 = status("VmRSS"), time.time()
     m = jm.load(sys.argv[1], mesh=sharding.make_mesh("tensor=8"))
     jax.block_until_ready(m.params)
@@ -233,6 +237,8 @@ def test_peak_host_memory_of_a_wide_import(tmp_path, monkeypatch):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skip" in r:
+        pytest.skip(r["skip"])
     sliced, whole = r["sliced"], r["whole"]
     print(f"\nlargest tensor {largest / 1e6:.0f} MB (fp32), placed {sliced['placed'] / 1e6:.0f} MB; per block: "
           f"RSS {sliced['before'] / 1e6:.0f} -> peak {sliced['peak'] / 1e6:.0f} -> {sliced['after'] / 1e6:.0f} MB; "
