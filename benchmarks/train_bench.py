@@ -292,7 +292,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/tmp")
     ap.add_argument("--stage", choices=list(STAGES), help="run one stage in this process (used by the driver)")
     ap.add_argument("--stages", default="jax_full,hf_full,jax_lora,hf_lora")
-    ap.add_argument("--timeouts", default="jax_full=70,hf_full=45,jax_lora=75,hf_lora=45", help="seconds per stage")
+    ap.add_argument("--timeouts", default="jax_full=80,hf_full=40,jax_lora=80,hf_lora=40", help="seconds per stage")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
     S = settings(args.tiny)
