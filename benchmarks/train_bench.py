@@ -252,17 +252,20 @@ def LoRALinear(base, rank: int, alpha: float):  # noqa: N802 (a class made on de
     return _LoRA()
 
 
-STAGES = {"jax_full": lambda S, o, s: _jax_stage(S, o, s, "full"), "hf_full": lambda S, o, s: _hf_stage(S, o, s, "full"),
-          "jax_lora": lambda S, o, s: _jax_stage(S, o, s, "lora"), "hf_lora": lambda S, o, s: _hf_stage(S, o, s, "lora")}
+STAGES = {"jax_full": lambda S, o, s: _jax_stage(S, o, s, "full"),
+          "hf_full": lambda S, o, s: _hf_stage(S, o, s, "full"),
+          "jax_lora": lambda S, o, s: _jax_stage(S, o, s, "lora"),
+          "hf_lora": lambda S, o, s: _hf_stage(S, o, s, "lora")}
 # the JAX stages take 90% of the GPU (default 75%): the 1B step holds [8 x 2048, 128256] fp32 logits and their softmax
-STAGE_ENV = {"jax_full": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}, "jax_lora": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}}
+STAGE_ENV = {name: {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"} for name in ("jax_full", "jax_lora")}
 
 
 # ------------------------------------------------------------------------------------ driver
 def summarize(res: dict, S: dict) -> str:
     jx_full = res.get("stage_jax_full", {}).get("jax", {})
     hf_full = res.get("stage_hf_full", {}).get("hf", {})
-    rates = [c.get("matmul_bf16_TFLOPs", float("nan")) for c in (jx_full.get("ceilings", {}), hf_full.get("ceilings", {}))]
+    rates = [c.get("matmul_bf16_TFLOPs", float("nan"))
+             for c in (jx_full.get("ceilings", {}), hf_full.get("ceilings", {}))]
     best = max([x for x in rates if x == x] or [float("nan")]) * 1e12
     kind = jx_full.get("device_kind", "") or hf_full.get("device_name", "")
     peak = H200_BF16_PEAK if "H200" in kind else float("nan")
