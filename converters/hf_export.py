@@ -354,6 +354,17 @@ def _mistral(cfg: ModelConfig) -> dict:
     return _dense(cfg) | {"sliding_window": cfg.layers[0].attention.window}
 
 
+def _qwen2(cfg: ModelConfig) -> dict:
+    """Qwen2's q/k/v biases are not a config field (always there, none on o_proj). layer_types spell the plan; where
+    its sliding layers are the tail (or none), max_window_layers says the same to a reader without layer_types."""
+    w, types = _window(cfg), _layer_types(cfg)
+    out = _dense(cfg) | {"use_sliding_window": w is not None, "sliding_window": w, "layer_types": types}
+    first = types.index("sliding_attention") if w is not None else cfg.num_layers
+    if all(t == "sliding_attention" for t in types[first:]):
+        out["max_window_layers"] = first
+    return out
+
+
 def _qwen3(cfg: ModelConfig) -> dict:
     w = _window(cfg)
     return _dense(cfg) | {"attention_bias": cfg.layers[0].attention.qkv_bias, "use_sliding_window": w is not None,
@@ -449,6 +460,7 @@ def _exaone4(cfg: ModelConfig) -> dict:
 HF_EXPORTS = {
     "llama": HFExport("llama", "LlamaForCausalLM", _llama),
     "mistral": HFExport("mistral", "MistralForCausalLM", _mistral),
+    "qwen2": HFExport("qwen2", "Qwen2ForCausalLM", _qwen2),
     "qwen3": HFExport("qwen3", "Qwen3ForCausalLM", _qwen3),
     "qwen3_moe": HFExport("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe),
     "cohere": HFExport("cohere", "CohereForCausalLM", _cohere),

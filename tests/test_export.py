@@ -29,7 +29,7 @@ from jaxmodels.tokenizer import Tokenizer
 from tests.oracles import deepseek_ckpt
 from tests.parity import hf_reference as ref
 
-FAMILIES = list(ref.TINY)  # llama qwen3 mistral cohere cohere2 qwen3_moe gemma3 gpt_oss exaone4
+FAMILIES = list(ref.TINY)  # llama qwen3 qwen2 mistral cohere cohere2 qwen3_moe gemma3 gpt_oss exaone4
 ATOL = 1e-4
 
 
@@ -270,6 +270,27 @@ def test_a_failed_export_leaves_nothing(tmp_path):
         big["final_norm"] = big["final_norm"].at[0].set(1e6)
         converters.export(jm.Model(model.config, big), tmp_path / "exp", dtype="float16", progress=False)
     assert not (tmp_path / "exp").exists() and _siblings(tmp_path / "exp") == []
+
+
+_S, _F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("types", [[_F, _S, _S], [_S, _F, _S], [_F, _F, _F]])
+def test_qwen2_config_spells_the_plan(types):
+    """Qwen2's exported config.json gives transformers' attention layers our windows (layer_types, also where the
+    sliding layers are not the tail), and max_window_layers only where it says the same to a reader without
+    layer_types (Qwen's released files have none): such a config.json reads back as our plan without them too."""
+    cfg = families.config_from_hf({**ref.tiny_config("qwen2"), "layer_types": types,
+                                   "use_sliding_window": _S in types})
+    out = hf_export.hf_config(cfg)
+    hf_cfg = transformers.AutoConfig.for_model(**out)
+    hf_windows = [transformers.models.qwen2.modeling_qwen2.Qwen2Attention(hf_cfg, i).sliding_window
+                  for i in range(cfg.num_layers)]
+    assert hf_windows == [L.attention.window for L in cfg.layers] == [6 if t == _S else None for t in types]
+    tail = types != [_S, _F, _S]
+    assert ("max_window_layers" in out) == tail
+    if tail:
+        assert families.config_from_hf({k: v for k, v in out.items() if k != "layer_types"}) == cfg
 
 
 def test_what_cannot_be_exported_is_refused_before_writing(tmp_path):

@@ -22,6 +22,11 @@ TINY = {
               "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 4096,
               "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 6,
               "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+    # Qwen2's layout as released: no head_dim (hidden / heads), no layer_types; layers i >= max_window_layers slide
+    "qwen2": {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+              "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+              "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
     "mistral": {"model_type": "mistral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
                 "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "max_position_embeddings": 4096, "sliding_window": 6,
@@ -74,6 +79,8 @@ VARIANTS = {
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
     "llama_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "qwen3_full": ("qwen3", {"use_sliding_window": False, "layer_types": None}),
+    # sliding_window and max_window_layers still set (as Qwen2.5's config.json has them): HF slides no layer
+    "qwen2_full": ("qwen2", {"use_sliding_window": False}),
     "mistral_full": ("mistral", {"sliding_window": None}),
     "cohere_noqk": ("cohere", {"use_qk_norm": False}),
     "qwen3_moe_norenorm": ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2}),

@@ -1,16 +1,20 @@
 """Parity of every family with HF transformers (fp32 eager) through the public import path."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transformers
+from transformers.models.qwen2 import modeling_qwen2
 
 import converters
 import jaxmodels as jm
-from jaxmodels import model as M
+from jaxmodels import families, model as M
 from tests.parity import hf_reference as ref
 
-FAMILIES = ["llama", "qwen3", "mistral", "cohere", "cohere2", "llama_tied", "llama_bias", "qwen3_full",
-            "mistral_full", "cohere_noqk", "cohere2_tail", "gemma3", "gemma3_tail", "gpt_oss", "exaone4",
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "cohere", "cohere2", "llama_tied", "llama_bias", "qwen2_full",
+            "qwen3_full", "mistral_full", "cohere_noqk", "cohere2_tail", "gemma3", "gemma3_tail", "gpt_oss", "exaone4",
             "exaone4_full", "qwen3_moe", "qwen3_moe_norenorm"]
 T = 64  # sequence length; every tiny config has a window of 6 < T
 ATOL = 1e-4  # issue #2: max |Δlogit| in fp32, short positions and past 4096
@@ -142,3 +146,49 @@ def test_llama_rope_scalings_match_hf(rope_scaling, tmp_path):
         pos = jnp.asarray(np.arange(T)[None].repeat(2, 0) + offset, jnp.int32)
         got = np.asarray(M.forward(ours.params, ours.config, jnp.asarray(ids), pos))
         assert np.abs(got - want).max() <= ATOL, (rope_scaling["rope_type"], offset, np.abs(got - want).max())
+
+
+# Qwen2Config in transformers 5.24: sliding_window is dropped unless use_sliding_window (default false); layer_types,
+# when absent, slide the layers i >= max_window_layers (default 28) if a window is left (4096 when the key is absent);
+# each Qwen2Attention takes the window of its layer type. Qwen's released config.json files have no layer_types and
+# keep sliding_window with use_sliding_window false (Qwen2.5: 32768 or 131072, max_window_layers 21 or 28).
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+QWEN2_WINDOWS = {
+    "from max_window_layers": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+    "no sliding_window key": {"use_sliding_window": True, "max_window_layers": 2},
+    "null sliding_window": {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 1},
+    "use_sliding_window false": {"use_sliding_window": False, "sliding_window": 6, "max_window_layers": 1},
+    "no use_sliding_window key": {"sliding_window": 6, "max_window_layers": 0},
+    "no max_window_layers key": {"use_sliding_window": True, "sliding_window": 6, "num_hidden_layers": 30},
+    "layer_types": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0,
+                    "layer_types": [_SLIDING, _FULL, _SLIDING]},
+    # transformers' layers take no window here, and its mask builder then refuses to run the model; we run it full
+    "layer_types, use_sliding_window false": {"use_sliding_window": False, "sliding_window": 6,
+                                              "layer_types": [_FULL, _SLIDING, _SLIDING]},
+}
+
+
+@pytest.mark.parametrize("case", QWEN2_WINDOWS)
+def test_qwen2_windows_are_the_hf_layers(case):
+    """Each layer's window is the one transformers' Qwen2Attention takes from the same config.json."""
+    drop = ("use_sliding_window", "sliding_window", "max_window_layers")
+    hf = {k: v for k, v in ref.TINY["qwen2"].items() if k not in drop} | QWEN2_WINDOWS[case]
+    hf_cfg = transformers.AutoConfig.for_model(**hf)
+    want = [modeling_qwen2.Qwen2Attention(hf_cfg, i).sliding_window for i in range(hf_cfg.num_hidden_layers)]
+    assert [layer.attention.window for layer in families.config_from_hf(hf).layers] == want
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_full"])
+def test_qwen2_released_config_json_matches_hf(name, tmp_path):
+    """A Qwen2 checkpoint whose config.json is spelled as Qwen releases them (no layer_types; sliding_window kept
+    when use_sliding_window is false), which save_pretrained no longer writes: logits past the window equal HF's."""
+    cfg = ref.tiny_config(name)
+    hf = ref.build(cfg, seed=8)
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    released = {k: v for k, v in saved.items() if k != "layer_types"} | {"sliding_window": cfg["sliding_window"]}
+    (tmp_path / "config.json").write_text(json.dumps(released))
+    ours = jm.load(tmp_path)
+    ids = _ids(seed=9)
+    err = np.abs(np.asarray(jm.forward(ours, ids)) - ref.logits(hf, ids)).max()
+    assert err <= ATOL, f"{name}: max |Δlogit| {err:.2e}"
