@@ -37,22 +37,34 @@ def written_cache(B, K, d, window, max_len, lasts, dtype, block_size=0, layers=3
     c = kv.build(specs, [layers, 1], B, max_len, dtype, block_size, tables)
     lasts = jnp.asarray(lasts, jnp.int32)
     T = int(max(np.max(lasts) + 1, 1))
-    keys = jax.random.split(jax.random.key(seed), 2 * layers)
-    for l in range(layers):
-        lc = kv.LayerCache(c, 0, l)
-        for n, key in zip(("k", "v"), keys[2 * l: 2 * l + 2]):
-            lc.write(n, jax.random.normal(key, (B, K, T, d), F32).astype(dtype), jnp.maximum(lasts + 1, 0))
-        c = lc.cache
-    return kv.LayerCache(c, 0, jnp.asarray(layer, jnp.int32)), lasts
+
+    @jax.jit
+    def fill(c, key):
+        for l in range(layers):
+            lc = kv.LayerCache(c, 0, l)
+            for n in ("k", "v"):
+                key, sub = jax.random.split(key)
+                lc.write(n, jax.random.normal(sub, (B, K, T, d), F32).astype(dtype), jnp.maximum(lasts + 1, 0))
+            c = lc.cache
+        return c
+
+    return kv.LayerCache(fill(c, jax.random.key(seed)), 0, jnp.asarray(layer, jnp.int32)), lasts
 
 
 def _check(lc, lasts, H, d, dtype, window, softcap=None, sinks=False, tol=None):
     B = lasts.shape[0]
     q = jax.random.normal(jax.random.key(7), (B, 1, H, d), F32).astype(dtype)
     s = jax.random.normal(jax.random.key(8), (H,), F32) if sinks else None
-    want = attention.decode_reference(q, lc, lasts, window=window, scale=d ** -0.5, softcap=softcap, sinks=s)
-    got = decode_attention.decode(q[:, 0], lc.pages("k"), lc.pages("v"), lasts, window=window, scale=d ** -0.5,
-                                  softcap=softcap, sinks=s, interpret=True)[:, None]
+    kw = dict(window=window, scale=d ** -0.5, softcap=softcap)
+
+    @jax.jit
+    def both(q, c, layer, s):
+        lc = kv.LayerCache(c, 0, layer)
+        want = attention.decode_reference(q, lc, lasts, sinks=s, **kw)
+        got = decode_attention.decode(q[:, 0], lc.pages("k"), lc.pages("v"), lasts, sinks=s, interpret=True, **kw)
+        return want, got[:, None]
+
+    want, got = both(q, lc.cache, lc.layer, s)
     assert got.shape == want.shape and got.dtype == want.dtype
     want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
     empty = np.asarray(lasts) < 0
@@ -62,14 +74,14 @@ def _check(lc, lasts, H, d, dtype, window, softcap=None, sinks=False, tol=None):
     return got
 
 
-@pytest.mark.parametrize("H,K,dtype", [(8, 2, F32), (4, 4, BF16), (6, 2, F32), (16, 2, BF16)])
+@pytest.mark.parametrize("H,K,dtype", [(6, 2, F32), (16, 2, BF16)])  # 3 query heads a kv head: padded to 16
 def test_full_cache_contiguous(H, K, dtype):
     """Rows at different lengths across several key blocks and splits (300 slots), one row empty."""
     lc, lasts = written_cache(4, K, 16, None, 300, [0, 63, 64, 250] if H != 6 else [5, -1, 130, 299], dtype)
     _check(lc, lasts, H, 16, dtype, None)
 
 
-@pytest.mark.parametrize("window,block_size", [(6, 0), (6, 4), (100, 0), (100, 16)])
+@pytest.mark.parametrize("window,block_size", [(6, 4), (100, 0)])
 def test_sliding_ring(window, block_size):
     """A ring of `window` slots: rows that have not filled it, filled it exactly and wrapped it several times."""
     lc, lasts = written_cache(4, 2, 32, window, 512, [2, window - 1, window, 3 * window + 2], F32, block_size)
@@ -82,12 +94,10 @@ def test_window_narrower_than_the_cache():
     _check(lc, lasts, 4, 16, F32, 37)
 
 
-@pytest.mark.parametrize("block_size", [0, 8])
-def test_sinks_and_softcap(block_size):
-    lc, lasts = written_cache(3, 2, 16, None, 160, [0, 70, 159], F32, block_size, layer=2)
+def test_sinks_and_softcap():
+    lc, lasts = written_cache(3, 2, 16, None, 160, [0, 70, 159], F32, 8, layer=2)
     _check(lc, lasts, 8, 16, F32, None, sinks=True)
-    _check(lc, lasts, 8, 16, F32, None, softcap=5.0)
-    lc, lasts = written_cache(3, 2, 16, 32, 160, [0, 70, 159], BF16, block_size, layer=0)
+    lc, lasts = written_cache(3, 2, 16, 32, 160, [0, 70, 159], BF16, 0, layer=0)
     _check(lc, lasts, 8, 16, BF16, 32, sinks=True, softcap=3.0)
 
 
@@ -101,19 +111,24 @@ def test_the_kernel_reads_only_written_slots():
     """Slots past a row's last position hold NaN: the kernel must never read them into its result (the XLA path
     masks them after the product, so it is not the reference here: the clean cache is)."""
     lc, lasts = written_cache(2, 2, 16, None, 256, [40, 200], F32)
-    clean = decode_attention.decode(jnp.ones((2, 4, 16)), lc.pages("k"), lc.pages("v"), lasts, window=None,
-                                    scale=0.25, interpret=True)
     unwritten = (jnp.arange(256)[None, :] > lasts[:, None])[None, :, None, :, None]
-    buffers = [jnp.where(unwritten, jnp.nan, b) for b in lc.cache.buffers[:2]] + list(lc.cache.buffers[2:])
-    dirty = kv.LayerCache(dataclasses.replace(lc.cache, buffers=tuple(buffers)), 0, lc.layer)
-    got = decode_attention.decode(jnp.ones((2, 4, 16)), dirty.pages("k"), dirty.pages("v"), lasts, window=None,
-                                  scale=0.25, interpret=True)
+
+    @jax.jit
+    def clean_and_dirty(c):
+        poisoned = [jnp.where(unwritten, jnp.nan, b) for b in c.buffers[:2]] + list(c.buffers[2:])
+        out = []
+        for cc in (c, dataclasses.replace(c, buffers=tuple(poisoned))):
+            view = kv.LayerCache(cc, 0, lc.layer)
+            out.append(decode_attention.decode(jnp.ones((2, 4, 16)), view.pages("k"), view.pages("v"), lasts,
+                                               window=None, scale=0.25, interpret=True))
+        return out
+
+    clean, got = clean_and_dirty(lc.cache)
     assert np.isfinite(np.asarray(clean)).all()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "gemma3"])
-@pytest.mark.parametrize("block_size", [0, 16])  # 16: test_paged_cache's tables
+@pytest.mark.parametrize("name,block_size", [("gpt_oss", 16), ("gemma3", 0)])  # 16: test_paged_cache's tables
 def test_decode_step_through_the_kernel(monkeypatch, name, block_size):
     """Whole decode steps with the kernel inside the scanned layer loop (the layer index traced, rings, sinks or
     softcap, a shared paged pool, shuffled tables) equal the XLA path's logits."""
