@@ -94,8 +94,8 @@ def forward(model: Model, tokens, **vision_inputs) -> jax.Array:
         return _forward(model.params, model.config, tokens, model.sharding, images, static)
 
 
-def __getattr__(name):  # the research modules (flax / optax / orbax), loaded on first use: jm.nnx, jm.train, jm.lora
-    if name in ("nnx", "train", "lora"):
+def __getattr__(name):  # the research modules (flax / optax / orbax), loaded on first use: jm.nnx, jm.train, ...
+    if name in ("nnx", "train", "lora", "interpret"):
         import importlib
 
         return importlib.import_module(f"jaxmodels.{name}")
