@@ -280,7 +280,7 @@ def test_qwen2_config_spells_the_plan(types):
     """Qwen2's exported config.json gives transformers' attention layers our windows (layer_types, also where the
     sliding layers are not the tail), and max_window_layers only where it says the same to a reader without
     layer_types (Qwen's released files have none): such a config.json reads back as our plan without them too."""
-    cfg = families.config_from_hf({**ref.tiny_config("qwen2"), "layer_types": types,
+    cfg = families.config_from_hf({**ref.tiny_config("qwen2"), "num_hidden_layers": 3, "layer_types": types,
                                    "use_sliding_window": _S in types})
     out = hf_export.hf_config(cfg)
     hf_cfg = transformers.AutoConfig.for_model(**out)

@@ -22,9 +22,10 @@ TINY = {
               "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 4096,
               "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 6,
               "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
-    # Qwen2's layout as released: no head_dim (hidden / heads), no layer_types; layers i >= max_window_layers slide
+    # Qwen2's layout as released: no head_dim (hidden / heads), no layer_types; layers i >= max_window_layers slide.
+    # Two layers: at three, its large random q/k/v biases make greedy decoding repeat one token whatever the prompt
     "qwen2": {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
               "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
               "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
     "mistral": {"model_type": "mistral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,

@@ -155,16 +155,16 @@ def test_llama_rope_scalings_match_hf(rope_scaling, tmp_path):
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 QWEN2_WINDOWS = {
     "from max_window_layers": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
-    "no sliding_window key": {"use_sliding_window": True, "max_window_layers": 2},
+    "no sliding_window key": {"use_sliding_window": True, "max_window_layers": 1},
     "null sliding_window": {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 1},
     "use_sliding_window false": {"use_sliding_window": False, "sliding_window": 6, "max_window_layers": 1},
     "no use_sliding_window key": {"sliding_window": 6, "max_window_layers": 0},
     "no max_window_layers key": {"use_sliding_window": True, "sliding_window": 6, "num_hidden_layers": 30},
     "layer_types": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0,
-                    "layer_types": [_SLIDING, _FULL, _SLIDING]},
+                    "layer_types": [_SLIDING, _FULL]},
     # transformers' layers take no window here, and its mask builder then refuses to run the model; we run it full
     "layer_types, use_sliding_window false": {"use_sliding_window": False, "sliding_window": 6,
-                                              "layer_types": [_FULL, _SLIDING, _SLIDING]},
+                                              "layer_types": [_FULL, _SLIDING]},
 }
 
 
