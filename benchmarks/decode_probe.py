@@ -1,6 +1,7 @@
 """Decode and prefill through the public API (`jm.generate`, `M.prefill` jitted with `M.COMPILER_OPTIONS`) on
 the GPU, each stage in its own process. Stages: llama (Llama-3.1-8B shape), gpt_oss (GPT-OSS-20B shape, bf16
-experts), *_triton (the same with XLA's Triton GEMMs, the old default), depth2 / depth32 (first generate() call).
+experts), *_triton (the same with XLA's Triton GEMMs, the old default), *_merge (with XLA's dot merger, the old
+default), depth2 / depth32 (first generate() call).
 
     python3 benchmarks/decode_probe.py --out $OUT [--stages llama,gpt_oss,...] [--tiny]
 """
@@ -33,9 +34,9 @@ def child(a):
     opts = dict(M.COMPILER_OPTIONS)
     if name.endswith("_triton"):
         opts["xla_gpu_enable_triton_gemm"] = True
-    if name.endswith("_nomerge"):  # XLA's dot merger concatenates wq|wk|wv (weights copied every step) for one GEMM
-        opts["xla_disable_hlo_passes"] = "dot-merger"
-    if name.endswith(("_triton", "_nomerge")):
+    if name.endswith("_merge"):  # XLA's dot merger on (the old default: one GEMM of q/k/v over wq|wk|wv copied)
+        opts.pop("xla_disable_hlo_passes")
+    if name.endswith(("_triton", "_merge")):
         G._generate = jax.jit(G._generate.__wrapped__, compiler_options=opts,
                               static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard"))
     hf = dict(GPT_OSS_20B if name.startswith("gpt_oss") else LLAMA31_8B)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -147,17 +146,19 @@ def bytes_by_kind(cache: Cache) -> dict[int, int]:
 
 
 # ------------------------------------------------------------------------------------------ the interface
-class Pages(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Pages:
     """One buffer of every layer as pages: page p of layer l, head h is buffer[(l * pages + p) * heads + h]
     [block_size, w]; row b's logical slot t lives in page table[b, t // block_size] (-1: unallocated) at
     t % block_size. A cache of `slots` slots holds position p in slot p % slots."""
 
     buffer: jax.Array  # [L * pages * heads, block_size, w]
     table: jax.Array  # [B, blocks per sequence] int32
-    pages: int
-    heads: int
     layer: jax.Array  # this layer's index (int32, traced in a scanned loop)
-    slots: int
+    pages: int = field(metadata=dict(static=True))
+    heads: int = field(metadata=dict(static=True))
+    slots: int = field(metadata=dict(static=True))
 
 
 class LayerCache:
@@ -182,14 +183,14 @@ class LayerCache:
         B, nb, H, bs, w = g.shape
         return g.transpose(0, 2, 1, 3, 4).reshape(B, H, nb * bs, w)[:, :, :ref.slots]
 
-    def pages(self, name: str) -> "Pages":
+    def pages(self, name: str) -> Pages:
         """This buffer's slots, every layer's, as pages for a kernel that reads them in place (no copy of this
         layer's slice). Contiguous: each row one page of all its slots."""
         ref = self._refs[name]
         buf = self.cache.buffers[ref.buffer]
         L, P, H, bs, w = buf.shape
         table = self.cache.tables[ref.table] if self.cache.layout.paged else jnp.arange(P, dtype=jnp.int32)[:, None]
-        return Pages(buf.reshape(L * P * H, bs, w), table, P, H, self.layer, ref.slots)
+        return Pages(buf.reshape(L * P * H, bs, w), table, jnp.asarray(self.layer, jnp.int32), P, H, ref.slots)
 
     def positions(self, name: str, last):
         """[B, S]: the position each slot holds once positions up to `last` [B] are written; -1 for none."""

@@ -22,7 +22,7 @@ def written_cache(B, K, d, window, max_len, lasts, dtype, block_size=0, layers=3
     specs = [(SlotSpec("k", K, d, window), SlotSpec("v", K, d, window)),
              (SlotSpec("k", K, d, None if window else 5), SlotSpec("v", K, d, None if window else 5))]
     tables = None
-    if block_size:  # shuffled blocks, both groups in one pool (disjoint blocks), unused entries -1
+    if block_size:  # shuffled blocks, both groups in one pool (disjoint blocks), blocks a row never writes -1
         rng = np.random.default_rng(seed)
         groups = {}
         for s in specs:
@@ -34,6 +34,8 @@ def written_cache(B, K, d, window, max_len, lasts, dtype, block_size=0, layers=3
         for key, nb in groups.items():
             tables[key] = perm[at: at + B * nb].reshape(B, nb).astype(np.int32)
             at += B * nb
+            used = np.minimum(-(-(np.maximum(np.asarray(lasts), -1) + 1) // block_size), nb)  # blocks a row writes
+            tables[key][np.arange(nb)[None, :] >= used[:, None]] = -1  # as the allocator leaves the rest
     c = kv.build(specs, [layers, 1], B, max_len, dtype, block_size, tables)
     lasts = jnp.asarray(lasts, jnp.int32)
     T = int(max(np.max(lasts) + 1, 1))

@@ -122,13 +122,15 @@ def unordered(q, k, v, allowed=None, *, scale: float):
     return attend(q, k, v, allowed, scale=scale)
 
 
-def decode(q, cache, last, *, window, scale: float, softcap=None, sinks=None):
+def decode(q, cache, last, *, window, scale: float, softcap=None, sinks=None, sharded: bool = False):
     """One query token per row, q [B, 1, H, d] at positions last [B], over the slots of the layer's cache "k"
     and "v" (its token written already) -> [B, 1, H, d]. On the GPU the decode kernel, which reads only the slots
-    each row holds, in place; elsewhere every slot, masked (the kernel's reference)."""
-    if decode_attention.fits(q, cache.pages("k")):
-        return decode_attention.decode(q[:, 0], cache.pages("k"), cache.pages("v"), last, window=window,
-                                       scale=scale, softcap=softcap, sinks=sinks)[:, None]
+    each row holds, in place; elsewhere every slot, masked (the kernel's reference). sharded: on a mesh, where
+    XLA would gather the whole cache to every device for the kernel (it has no partitioning rule), the XLA path."""
+    k = cache.pages("k")
+    if not sharded and decode_attention.fits(q, k):
+        return decode_attention.decode(q[:, 0], k, cache.pages("v"), last, window=window, scale=scale,
+                                       softcap=softcap, sinks=sinks)[:, None]
     return decode_reference(q, cache, last, window=window, scale=scale, softcap=softcap, sinks=sinks)
 
 
@@ -165,7 +167,8 @@ def gqa(cfg, a, p, h, ctx, cache):
     if ctx["mode"] == "decode":
         cache.write_token("k", k[:, :, 0], pos[:, 0])
         cache.write_token("v", v[:, :, 0], pos[:, 0])
-        o = decode(q, cache, pos[:, 0], window=a.window, scale=scale, softcap=a.softcap, sinks=p.get("sinks"))
+        o = decode(q, cache, pos[:, 0], window=a.window, scale=scale, softcap=a.softcap, sinks=p.get("sinks"),
+                   sharded=ctx.get("shard") is not None)
     elif ctx["mode"] == "extend":  # a chunk after the start[b] positions the cache holds
         start, lengths = ctx["start"], ctx["lengths"]
         # the cache as it was (a ring may drop keys of this chunk's first queries when the chunk is written) + the chunk

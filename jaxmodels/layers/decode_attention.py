@@ -10,6 +10,7 @@ cache's and `attention.attend`'s semantics exactly; `attention.decode` runs it o
 XLA path everywhere else (the CPU tests run this kernel in Pallas' interpreter against that path).
 """
 import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -52,8 +53,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, m_ref, l_ref, *, sl
         m_new = jnp.maximum(m, jnp.max(x, axis=1))
         p = jnp.exp(x - m_new[:, None])
         c = jnp.exp(m - m_new)
-        v = v_ref[row, off, :]
-        o = o * c[:, None] + jax.lax.dot_general(p.astype(v.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),
+        v = v_ref[row, off, :].astype(q.dtype)  # P.V in the queries' dtype, as `attend` of the cast cache
+        o = o * c[:, None] + jax.lax.dot_general(p.astype(q.dtype), v, (((1,), (0,)), ((), ())),
                                                  preferred_element_type=F32)
         return o, m_new, l * c + jnp.sum(p, axis=1)
 
@@ -66,10 +67,11 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, m_ref, l_ref, *, sl
 
 
 def fits(q, k) -> bool:
-    """Whether the kernel runs: on the GPU, for half-precision queries whose head width Triton tiles."""
+    """Whether the kernel runs: on the GPU, half-precision queries over a cache of their dtype (a mixed pair is
+    not what the GPU tests cover), a head width Triton tiles within shared memory."""
     d = q.shape[-1]
-    return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and d >= 16
-            and d & (d - 1) == 0 and k.buffer.shape[-1] == d)
+    return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and k.buffer.dtype == q.dtype
+            and d in (16, 32, 64, 128, 256) and k.buffer.shape[-1] == d)
 
 
 def decode(q, k, v, last, *, window: int | None, scale: float, softcap: float | None = None, sinks=None,
@@ -81,6 +83,7 @@ def decode(q, k, v, last, *, window: int | None, scale: float, softcap: float | 
     softmax denominator (GPT-OSS). Scores, softmax and accumulation in fp32; P.V with P in the values' dtype."""
     B, H, d = q.shape
     slots, K = k.slots, k.heads
+    assert v.buffer.shape == k.buffer.shape, "keys and values share one geometry"
     r = H // K
     R = max(MIN_ROWS, 1 << (r - 1).bit_length())
     splits = max(1, min(-(-TARGET_PROGRAMS // (B * K)), -(-slots // BLOCK_K)))
@@ -92,8 +95,8 @@ def decode(q, k, v, last, *, window: int | None, scale: float, softcap: float | 
     parts = (B, K, splits, R)
     o, m, l = pl.pallas_call(
         kernel, grid=(B, K, splits),
-        in_specs=[pl.BlockSpec((None, None, R, d), lambda b, h, s: (b, h, 0, 0)), whole(k.buffer), whole(v.buffer),
-                  whole(k.table), whole(meta)],
+        in_specs=[pl.BlockSpec((None, None, R, d), lambda b, h, s: (b, h, 0, 0)), whole(k.buffer),
+                  whole(v.buffer), whole(k.table), whole(meta)],
         out_specs=[pl.BlockSpec((None, None, None, R, d), lambda b, h, s: (b, h, s, 0, 0)),
                    pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
                    pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0))],

@@ -19,13 +19,8 @@ HALF = (jnp.bfloat16, jnp.float16)
 TARGET_PROGRAMS = 528  # ~4 programs per SM of an H200
 
 
-def _pow2_divisor(n: int, options) -> int | None:
-    return next((b for b in options if n % b == 0), None)
-
-
 def _tiles(x, w) -> bool:
-    return (x.ndim == 2 and getattr(w, "ndim", 0) == 3 and _pow2_divisor(w.shape[1], (64, 32, 16)) is not None
-            and _pow2_divisor(w.shape[2], (128, 64, 32)) is not None)
+    return x.ndim == 2 and getattr(w, "ndim", 0) == 3 and w.shape[1] % 16 == 0 and w.shape[2] % 32 == 0
 
 
 def fits(x, w) -> bool:
@@ -33,14 +28,24 @@ def fits(x, w) -> bool:
     return jax.default_backend() == "gpu" and x.dtype == w.dtype and x.dtype in HALF and _tiles(x, w)
 
 
+def reference(x, w, ids):
+    """The XLA path: the chosen slabs gathered, then one batched matmul."""
+    return jnp.einsum("nk,nkf->nf", x, w[ids], preferred_element_type=F32).astype(x.dtype)
+
+
 def matmul(x, w, ids, *, interpret: bool = False):
-    """x [n, K], w [G, K, N], ids [n] int -> [n, N] in x's dtype, accumulated in fp32. interpret: the kernel in
-    Pallas' interpreter wherever its widths tile (the CPU tests)."""
+    """x [n, K], w [G, K, N], ids [n] int -> [n, N] in x's dtype, accumulated in fp32. Differentiable (the backward
+    is the reference's). interpret: run the kernel in Pallas' interpreter wherever its widths tile (CPU tests)."""
     if not (fits(x, w) or interpret and _tiles(x, w)):
-        return jnp.einsum("nk,nkf->nf", x, w[ids], preferred_element_type=F32).astype(x.dtype)
+        return reference(x, w, ids)
+    return _kernel_matmul(x, w, ids, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _kernel_matmul(x, w, ids, interpret):
     n, (G, K, N) = x.shape[0], w.shape
-    bk = _pow2_divisor(K, (64, 32, 16))
-    bn = _pow2_divisor(N, (64, 32, 128))
+    bk = next(b for b in (64, 32, 16) if K % b == 0)
+    bn = 64 if N % 64 == 0 else 32
     steps = K // bk
     # split K until ~4 programs an SM: at decode sizes (4 rows) the columns alone give too few
     splits = next((s for s in range(1, steps + 1) if steps % s == 0 and n * (N // bn) * s >= TARGET_PROGRAMS), steps)
@@ -52,6 +57,19 @@ def matmul(x, w, ids, *, interpret: bool = False):
         **({} if interpret else {"compiler_params": _triton_params()}),
     )(x, w, ids.astype(jnp.int32))
     return jnp.sum(parts, axis=0).astype(x.dtype)
+
+
+def _kernel_matmul_fwd(x, w, ids, interpret):
+    return _kernel_matmul(x, w, ids, interpret), (x, w, ids)
+
+
+def _kernel_matmul_bwd(interpret, res, g):
+    x, w, ids = res
+    dx, dw = jax.vjp(lambda x, w: reference(x, w, ids), x, w)[1](g)
+    return dx, dw, None
+
+
+_kernel_matmul.defvjp(_kernel_matmul_fwd, _kernel_matmul_bwd)
 
 
 def _kernel(x_ref, w_ref, ids_ref, o_ref, *, steps: int, bk: int, bn: int):

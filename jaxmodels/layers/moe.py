@@ -77,6 +77,7 @@ def sparse(spec: MLPSpec, p, x, shard=None, tokens=None, act_block: int | None =
     w = w.astype(xt.dtype)
     ep = shard.expert_axis(spec.num_experts) if shard is not None else None
     if ep is None:
+        # on a mesh XLA would gather the whole stack to every device for the kernel (no partitioning rule)
         out = _routed(spec, p, xt, w, idx, 0, None if shard is not None else stack)
     else:
         mesh, axis = ep
@@ -118,16 +119,16 @@ def _routed(spec, p, xt, w, idx, first, stack=None):
 
 
 def _gathered(spec, p, xt, w, idx, stack=None):
-    """Each (token, slot) reads only its expert's matrices: weight bytes ~ tokens * top_k experts
-    (`gathered.matmul`: a kernel on the GPU; given `stack`, it reads every layer's stack in place)."""
+    """Each (token, slot) reads only its expert's matrices: weight bytes ~ tokens * top_k experts. Given `stack`,
+    through `gathered.matmul` (on the GPU a kernel reading every layer's stack in place), else XLA's gather."""
     e = idx.reshape(-1)
     rows = jnp.repeat(xt, spec.top_k, axis=0)
 
     def mm(a, name):
         if isinstance(p[name], dict):  # kept quantized [E, out, in]: expand only the chosen experts' bytes
             return jnp.einsum("nd,nfd->nf", a, qdq.dequant({k: v[e] for k, v in p[name].items()}, a.dtype))
-        if stack is None:
-            return gathered.matmul(a, p[name], e)
+        if stack is None:  # (the kernel given a scanned layer's slice: XLA copies the slice first)
+            return gathered.reference(a, p[name], e)
         whole, layer = stack[0][name], stack[1]  # [L, E, K, N]: expert e of this layer is row layer * E + e
         return gathered.matmul(a, whole.reshape(-1, *whole.shape[2:]), layer * whole.shape[1] + e)
 
