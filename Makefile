@@ -1,4 +1,5 @@
-# `make demo`: set up, convert the embedded default model, generate.  `make test`: set up, run the suite.
+# `make demo`: set up, convert the embedded default model, generate.  `make test`: set up, run the suite
+# (`make test-heavy`: with the matrices too wide for CI).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +7,7 @@ MODEL_DIR := .cache/models/smollm2-135m-instruct
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean
+.PHONY: demo test test-heavy install clean
 
 install: $(VENV)/.runtime
 
@@ -32,6 +33,9 @@ demo: $(VENV)/.runtime $(MODEL_DIR)/jaxmodels.json
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-heavy: $(VENV)/.test  # also the matrices too wide for CI's budget (tests marked heavy)
+	$(PY) -m pytest -q --heavy $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -19,3 +19,17 @@ def _release_executables():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--heavy", action="store_true",
+                     help="also run the tests marked heavy (beyond CI's time budget on 2 cores; `make test-heavy`)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--heavy"):
+        return
+    skip = pytest.mark.skip(reason="heavy: beyond CI's time budget; run with --heavy (make test-heavy)")
+    for item in items:
+        if "heavy" in item.keywords:
+            item.add_marker(skip)
