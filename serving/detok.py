@@ -40,7 +40,7 @@ class Detokenizer:
     def _append(self, new: str) -> None:
         start = max(len(self.text) - max((len(s) for s in self.stop), default=0) + 1, 0)
         self.text += new
-        hits = [(self.text.find(s, start), s) for s in self.stop if self.text.find(s, start) >= 0]
+        hits = [(at, s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if hits:
             at, s = min(hits)
             self.text = self.text[: at + len(s) if self.include_stop else at]

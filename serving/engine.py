@@ -290,10 +290,12 @@ class Engine:
                 if req.finished:  # finished (or aborted) after this step was dispatched: its token is dropped
                     continue
                 lp = (res[1][i], res[2][i], res[3][i]) if len(res) > 1 else None
-                outputs.append(self._emit(req, toks[i], lp, now))
+                new, lps = self._accept(req, toks[i], lp, now)
+                outputs.append(self._close(req, new, lps, req.detok.push(new)))
         return outputs
 
-    def _emit(self, req: Request, tok: int, lp, now: float) -> StepOutput:
+    def _accept(self, req: Request, tok: int, lp, now: float) -> tuple:
+        """A sampled token joins its request (an EOS / stop id ends it instead)."""
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = now
@@ -301,18 +303,21 @@ class Engine:
             self.counters["cached_prompt_tokens"] += req.cached
         req.generated += 1
         self.counters["generation_tokens"] += 1
-        new, lps = [], []
         if tok in req.eos:
             req.finish_reason = "stop"
-        else:
-            req.append(tok)
-            new = [tok]
-            if p.logprobs is not None:
-                logprob, top_ids, top_lp = lp
-                lps = [Logprob(tok, float(logprob), [(int(i), float(v)) for i, v in zip(top_ids[:p.logprobs],
-                                                                                        top_lp)])]
-                req.logprobs += lps
-        text = req.detok.push(new)
+            return [], []
+        req.append(tok)
+        lps = []
+        if p.logprobs is not None:
+            logprob, top_ids, top_lp = lp
+            lps = [Logprob(tok, float(logprob), [(int(i), float(v)) for i, v in zip(top_ids[:p.logprobs], top_lp)])]
+            req.logprobs += lps
+        return [tok], lps
+
+    def _close(self, req: Request, new: list[int], lps: list, text: str) -> StepOutput:
+        """The token's text is known (`text`, from the detokenizer): a stop string or a length limit ends the
+        request, which then frees its blocks, its prompt's staying cached."""
+        p = req.params
         if req.detok.stopped:
             req.finish_reason = "stop"
         elif req.finish_reason is None and (len(req.output) >= (p.max_tokens or self.max_model_len)

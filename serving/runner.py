@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -241,6 +242,7 @@ class Runner:
         self.row_floats[:, F_TOP_P] = 1
         self.sampled = np.zeros(self.rows, np.int32)  # tokens sampled per row so far (the seeded sample's index)
         self.shapes: set = set()
+        self.dispatch_s = 0.0  # seconds in the jitted step's call (dispatch; on a CPU maybe part of the work)
         self.extend_ok = self.cfg.mhc is None and self.cfg.engram is None and all(
             s.attention.kind == "gqa" for s in self.cfg.layers)
 
@@ -290,26 +292,26 @@ class Runner:
         T = 1 if decode else bucket(max(k for _, _, k in pieces), 16)
         ints = np.zeros((8, P), np.int32)
         rows, tokens = ints[I_ROW], np.zeros((P, T), np.int32)
+        reqs = [r for r, _, _ in pieces]  # the only per-row Python: what lives on the request
+        starts = [a for _, a, _ in pieces]
+        known = [len(r.tokens) for r in reqs]
+        emit = [a + k == kn + r.pending for (r, a, k), kn in zip(pieces, known)]
+        for r, e in zip(reqs, emit):
+            r.pending += e
+        rows[:n] = [r.row for r in reqs]
         rows[n:] = self.rows - 1
+        ints[I_START, :n] = starts
+        ints[I_LEN, :n] = [k for _, _, k in pieces]
+        ints[I_EMIT, :n] = emit
         if decode:
             ints[I_START, n:] = -1
-        emit = []
-        for i, (r, a, k) in enumerate(pieces):  # the only per-row Python: what lives on the request
-            known = len(r.tokens)
-            rows[i], ints[I_START, i], ints[I_LEN, i] = r.row, a, k
-            e = a + k == known + r.pending
-            emit.append(e)
-            if e:
-                r.pending += 1
-            if decode:
-                if a < known:
-                    tokens[i, 0] = r.tokens[a]
-                else:  # sampled by a step still in flight: the device feeds it
-                    ints[I_FEED, i] = 1
-            else:
-                assert a + k <= known, "a chunk's tokens are known"
+            feed = [a >= kn for a, kn in zip(starts, known)]  # sampled by a step in flight: the device feeds it
+            ints[I_FEED, :n] = feed
+            tokens[:n, 0] = [0 if f else r.tokens[a] for r, a, f in zip(reqs, starts, feed)]
+        else:
+            for i, (r, a, k) in enumerate(pieces):
+                assert a + k <= known[i], "a chunk's tokens are known"
                 tokens[i, :k] = r.tokens[a:a + k]
-        ints[I_EMIT, :n] = emit
         params = self.row_ints[rows]
         ints[I_TOP_K], ints[I_SEED] = params[:, 0], params[:, 1]
         ints[I_INDEX] = self.sampled[rows]
@@ -331,11 +333,13 @@ class Runner:
                      len(self.shapes))
         if penalized and self.counts.shape[0] != self.rows:
             self.counts = self._zeros((self.rows, self.cfg.logits_size))
+        t = time.perf_counter()
         with sharding.entered(self.shard):
             self.cache, self.counts, self.last, out = step(
                 self.model.params, self.cache, self.counts, self.last, ints, floats, table[rows], tokens, images,
                 cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=penalized, top_n=top_n,
                 logprobs=want >= 0, splits=self.splits, shard=self.shard)
+        self.dispatch_s += time.perf_counter() - t
         return Launched(pieces, emit, out)
 
     def _images(self, pieces, P: int, T: int) -> dict | None:
