@@ -236,8 +236,8 @@ def test_a_converted_config_is_validated_at_load():
         ModelConfig.from_dict(cfg)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3", "qwen3_moe", "cohere", "cohere2", "gemma3_text",
-                                        "gemma3", "exaone4", "gpt_oss", "deepseek_v4"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "cohere", "cohere2",
+                                        "gemma3_text", "gemma3", "exaone4", "gpt_oss", "deepseek_v4"])
 def test_real_configs_still_load(model_type):
     """transformers' defaults are real models' configs (Llama-2-7B, Qwen3-8B, gpt-oss-20b, DeepSeek-V4 ...); the
     tiny test configs and DeepSeek V4.1's load too."""

@@ -11,7 +11,7 @@ from converters import orbax_io
 from jaxmodels import families, model as M, sharding
 from tests.parity import hf_reference as ref
 
-FAMILIES = ["llama", "qwen3", "mistral", "cohere", "cohere2", "gemma3", "gpt_oss", "exaone4", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "cohere", "cohere2", "gemma3", "gpt_oss", "exaone4", "qwen3_moe"]
 MESHES = [("tensor=8", "tp"), ("data=2,tensor=4", "tp"), ("data=8", "tp"), ("fsdp=2,tensor=4", "fsdp_tp"),
           ("data=2,expert=4", "ep")]
 GOLDEN = Path(__file__).parent / "golden" / "partition_specs.json"

@@ -18,7 +18,7 @@ from converters import hf_export
 from jaxmodels import model as M, train
 from tests.parity import hf_reference as ref
 
-FAMILIES = ["llama", "qwen3", "mistral", "cohere", "gemma3", "gpt_oss", "exaone4", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "cohere", "gemma3", "gpt_oss", "exaone4", "qwen3_moe"]
 RTOL = 1e-4  # per tensor, relative to its largest HF gradient
 
 
