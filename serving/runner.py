@@ -197,11 +197,13 @@ def encode_images(params, images, *, cfg, static=()):
     return vision.encode(cfg.vision, params["vision"], {**images, **dict(static)})
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def copy_blocks(cache: Cache, src, dst) -> Cache:
+@functools.partial(jax.jit, static_argnames=("shard",), donate_argnames=("cache",))
+def copy_blocks(cache: Cache, src, dst, shard=None) -> Cache:
     """Copy-on-write: block src[i] -> dst[i] in buffer i's arrays (src/dst per buffer, [N]; dst out of range: none)."""
     buffers = tuple(b.at[:, d].set(b[:, jnp.clip(s_, 0, b.shape[1] - 1)], mode="drop")
                     for b, s_, d in zip(cache.buffers, src, dst))
+    if shard is not None:
+        buffers = tuple(shard.constrain(b, BUFFER_AXES) for b in buffers)
     return Cache(buffers, cache.tables, cache.state, cache.extra, cache.layout)
 
 
@@ -272,7 +274,7 @@ class Runner:
             src.append(np.array([a for a, _ in mine] + [0] * (n - len(mine)), np.int32))
             dst.append(np.array([b for _, b in mine] + [np.iinfo(np.int32).max] * (n - len(mine)), np.int32))
         with sharding.entered(self.shard):
-            self.cache = copy_blocks(self.cache, tuple(src), tuple(dst))
+            self.cache = copy_blocks(self.cache, tuple(src), tuple(dst), shard=self.shard)
 
     def reset_counts(self, row: int, tokens: list[int]) -> None:
         """A request with penalties took `row`: its counts are its generated tokens so far."""

@@ -209,10 +209,11 @@ def test_a_waiting_request_is_looked_up_once_per_admission(monkeypatch):
     assert len(hashed) == 4 + 2 + 7 + 7, "a request hashed a block twice"  # c, d, a (its 7th at the end), b
 
 
-def test_the_engine_on_a_mesh_equals_one_device():
+@pytest.mark.parametrize("name,block", [("llama", 4), ("gemma3", 3)])
+def test_the_engine_on_a_mesh_equals_one_device(name, block):
     """The engine over 8 devices (tensor=2 x data=4: parameters by the rules, KV pools split by kv head) gives the
-    unsharded engine's tokens, greedy and seeded."""
-    model = _model("llama")
+    unsharded engine's tokens, greedy and seeded (gemma3: sliding-window rings, copy-on-write of cached blocks)."""
+    model = _model(name)
     mesh = sharding.make_mesh("data=4,tensor=2")
     sharded = jm.Model(model.config, sharding.shard_params(model.params, model.config, mesh), None, mesh)
     rng = np.random.default_rng(1)
@@ -220,14 +221,18 @@ def test_the_engine_on_a_mesh_equals_one_device():
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=8, ignore_eos=True) if i == 2 else
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True) for i in range(len(prompts))]
     requests = [(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    config = EngineConfig(max_num_seqs=4, max_model_len=64, kv_blocks=80, block_size=4, max_num_batched_tokens=24)
-    runs = {}
+    requests += [("again", prompts[2], params[1])]  # a cached prefix (gemma3: wraps onto cached ring blocks)
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, kv_blocks=80, block_size=block, max_num_batched_tokens=24)
+    runs, copies = {}, []
     for label, m in (("one", model), ("mesh", sharded)):
         engine = Engine(m, config)
+        take = engine.pool.take_copies
+        engine.pool.take_copies = lambda: copies.append(take()) or copies[-1]
         runs[label] = _drive(engine, requests)[0]
-    buf = engine.runner.cache.buffers[0]
-    assert buf.sharding.spec[2] == "tensor" and len(buf.sharding.device_set) == 8  # [L, blocks, kv heads, ...]
+    for buf in engine.runner.cache.buffers:  # [L, blocks, kv heads, block, width]
+        assert buf.sharding.spec[2] == "tensor" and len(buf.sharding.device_set) == 8
     assert runs["mesh"] == runs["one"]
+    assert (name == "gemma3") == any(copies), "gemma3's rings were meant to copy cached blocks"
 
 
 def test_kv_blocks_from_a_memory_fraction():
