@@ -151,7 +151,7 @@ def test_llama_rope_scalings_match_hf(rope_scaling, tmp_path):
 # Qwen2Config in transformers 5.24: sliding_window is dropped unless use_sliding_window (default false); layer_types,
 # when absent, slide the layers i >= max_window_layers (default 28) if a window is left (4096 when the key is absent);
 # each Qwen2Attention takes the window of its layer type. Qwen's released config.json files have no layer_types and
-# keep sliding_window with use_sliding_window false (Qwen2.5: 32768 or 131072, max_window_layers 21 or 28).
+# keep sliding_window with use_sliding_window false (Qwen2-0.5B: 131072, max_window_layers 24).
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 QWEN2_WINDOWS = {
     "from max_window_layers": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
