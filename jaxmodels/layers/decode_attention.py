@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxmodels.layers import triton
+
 F32 = jnp.float32
 BLOCK_K = 64  # slots per step of a program's loop
 MIN_ROWS = 16  # the smallest M of a Triton dot: a kv head's query heads are padded to it
@@ -91,19 +93,18 @@ def decode(q, k, v, last, *, window: int | None, scale: float, softcap: float | 
     meta = jnp.concatenate([jnp.asarray(k.layer, jnp.int32).reshape(1), jnp.asarray(last, jnp.int32)])
     kernel = functools.partial(_kernel, slots=slots, window=window, block_size=k.buffer.shape[1], pages=k.pages,
                                kv_heads=K, splits=splits, scale=scale, softcap=softcap)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731  indexed inside
     parts = (B, K, splits, R)
     o, m, l = pl.pallas_call(
         kernel, grid=(B, K, splits),
-        in_specs=[pl.BlockSpec((None, None, R, d), lambda b, h, s: (b, h, 0, 0)), whole(k.buffer),
-                  whole(v.buffer), whole(k.table), whole(meta)],
+        in_specs=[pl.BlockSpec((None, None, R, d), lambda b, h, s: (b, h, 0, 0)), triton.whole(k.buffer),
+                  triton.whole(v.buffer), triton.whole(k.table), triton.whole(meta)],
         out_specs=[pl.BlockSpec((None, None, None, R, d), lambda b, h, s: (b, h, s, 0, 0)),
                    pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
                    pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0))],
         out_shape=[jax.ShapeDtypeStruct((*parts, d), F32), jax.ShapeDtypeStruct(parts, F32),
                    jax.ShapeDtypeStruct(parts, F32)],
         interpret=interpret, name="decode_attention",
-        **({} if interpret else {"compiler_params": _triton_params()}),
+        **({} if interpret else triton.params(num_stages=2)),
     )(qg, k.buffer, v.buffer, k.table.astype(jnp.int32), meta)
     return combine(o[..., :r, :], m[..., :r], l[..., :r], sinks).reshape(B, H, d).astype(q.dtype)
 
@@ -119,9 +120,3 @@ def combine(o, m, l, sinks=None):
         den = den + jnp.exp(sinks.astype(F32).reshape(1, K, r) - M)
     num = jnp.sum(o * w[..., None], axis=2)
     return num / jnp.maximum(den, jnp.finfo(F32).tiny)[..., None]
-
-
-def _triton_params():
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=4, num_stages=2)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxmodels.layers import triton
+
 F32 = jnp.float32
 HALF = (jnp.bfloat16, jnp.float16)
 TARGET_PROGRAMS = 528  # ~4 programs per SM of an H200
@@ -49,12 +51,12 @@ def _kernel_matmul(x, w, ids, interpret):
     steps = K // bk
     # split K until ~4 programs an SM: at decode sizes (4 rows) the columns alone give too few
     splits = next((s for s in range(1, steps + 1) if steps % s == 0 and n * (N // bn) * s >= TARGET_PROGRAMS), steps)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731  indexed inside
     parts = pl.pallas_call(
         functools.partial(_kernel, steps=steps // splits, bk=bk, bn=bn), grid=(n, N // bn, splits),
-        in_specs=[whole(x), whole(w), whole(ids)], out_specs=pl.BlockSpec((None, None, bn), lambda i, j, s: (s, i, j)),
+        in_specs=[triton.whole(x), triton.whole(w), triton.whole(ids)],
+        out_specs=pl.BlockSpec((None, None, bn), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((splits, n, N), F32), interpret=interpret, name="gathered_matmul",
-        **({} if interpret else {"compiler_params": _triton_params()}),
+        **({} if interpret else triton.params(num_stages=4)),
     )(x, w, ids.astype(jnp.int32))
     return jnp.sum(parts, axis=0).astype(x.dtype)
 
@@ -84,9 +86,3 @@ def _kernel(x_ref, w_ref, ids_ref, o_ref, *, steps: int, bk: int, bn: int):
         return acc + jnp.sum(xb[:, None] * wb, axis=0)
 
     o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn,), F32))
-
-
-def _triton_params():
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=4, num_stages=4)
