@@ -80,9 +80,10 @@ def decode(q, k, v, last, *, window: int | None, scale: float, softcap: float | 
            interpret: bool = False):
     """q [B, H, d] (one token per row) over one layer of a cache -> [B, H, d] in q's dtype.
 
-    k, v: keys and values as `jaxmodels.cache.Pages` (every layer, read in place; v's table is k's); last [B]: each row's query position (its slots hold positions up to it; < 0: a row with nothing to
-    attend, whose output is 0). window: keys at p > last - window only. sinks [H]: a logit in each head's
-    softmax denominator (GPT-OSS). Scores, softmax and accumulation in fp32; P.V with P in the values' dtype."""
+    k, v: keys and values as `jaxmodels.cache.Pages` (every layer, read in place; v's table is k's); last [B]:
+    each row's query position (its slots hold positions up to it; < 0: a row with nothing to attend, whose
+    output is 0). window: keys at p > last - window only. sinks [H]: a logit in each head's softmax denominator
+    (GPT-OSS). Scores, softmax and accumulation in fp32; P.V in the queries' dtype."""
     B, H, d = q.shape
     slots, K = k.slots, k.heads
     assert v.buffer.shape == k.buffer.shape, "keys and values share one geometry"
