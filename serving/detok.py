@@ -22,6 +22,7 @@ class Detokenizer:
         self.text = ""  # all text so far (cut at a stop string once one appears)
         self.sent = 0  # characters of `text` already returned
         self.stopped = False
+        self.longest = max((len(s) for s in stop), default=0)  # text held back: a stop string may be starting
 
     def push(self, ids: list[int]) -> str:
         """Add generated ids; returns the text that may be sent now. Sets `stopped` on a stop string."""
@@ -38,8 +39,10 @@ class Detokenizer:
         return self._release(final=False)
 
     def _append(self, new: str) -> None:
-        start = max(len(self.text) - max((len(s) for s in self.stop), default=0) + 1, 0)
+        start = max(len(self.text) - self.longest + 1, 0)
         self.text += new
+        if not self.stop:
+            return
         hits = [(at, s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if hits:
             at, s = min(hits)
@@ -47,7 +50,7 @@ class Detokenizer:
             self.stopped = True
 
     def _release(self, final: bool) -> str:
-        hold = 0 if final or self.stopped else max((len(s) for s in self.stop), default=1) - 1
+        hold = 0 if final or self.stopped or not self.longest else self.longest - 1
         end = max(self.sent, len(self.text) - hold)
         out, self.sent = self.text[self.sent:end], end
         return out
