@@ -382,14 +382,14 @@ def _sparse_step(moe: set[int], n: int) -> tuple[int, list[int]]:
 
 
 def _qwen3_moe(cfg: ModelConfig) -> dict:
-    """Qwen3-MoE's import reads no layer_types: sliding from max_window_layers on."""
+    """Qwen3-MoE has one window for every layer (set iff use_sliding_window; no layer_types, no max_window_layers)."""
     moe = [i for i, L in enumerate(cfg.layers) if L.mlp.kind == "moe"]
     dense = [L.mlp for L in cfg.layers if L.mlp.kind != "moe"]
     w = _window(cfg)
+    if any(L.attention.window != w for L in cfg.layers):
+        raise ValueError("Qwen3-MoE has one attention window for every layer; this model's layers differ")
     out = _dense(cfg) | {"attention_bias": cfg.layers[0].attention.qkv_bias, "use_sliding_window": w is not None,
                          "sliding_window": w}
-    if w is not None:
-        out["max_window_layers"] = next(i for i, L in enumerate(cfg.layers) if L.attention.window)
     if dense:
         out["intermediate_size"] = dense[0].intermediate_size
     else:

@@ -23,8 +23,9 @@ def config(hf: dict) -> ModelConfig:
                      num_experts=E, top_k=hf.get("num_experts_per_tok", 8), router="softmax_topk",
                      renormalize=hf.get("norm_topk_prob", False)) if E else None
     step, only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
-    # HF Qwen3-MoE: one mask for all layers, sliding iff sliding_window is set (after use_sliding_window)
-    attn = qwen3.attention_specs({**hf, "layer_types": None})
+    # HF Qwen3-MoE: one window for every layer, set iff use_sliding_window (max_window_layers is not read)
+    sliding = ["sliding_attention" if hf.get("use_sliding_window", False) else "full_attention"]
+    attn = qwen3.attention_specs({**hf, "layer_types": sliding * hf["num_hidden_layers"]})
     layers = tuple(
         LayerSpec(attention=a, mlp=sparse if sparse and i not in only and (i + 1) % step == 0 else dense)
         for i, a in enumerate(attn))

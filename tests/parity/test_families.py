@@ -178,6 +178,18 @@ def test_qwen2_windows_are_the_hf_layers(case):
     assert [layer.attention.window for layer in families.config_from_hf(hf).layers] == want
 
 
+@pytest.mark.parametrize("case", [c for c in QWEN2_WINDOWS if "layer_types" not in c])
+def test_qwen3_moe_windows_are_the_hf_layers(case):
+    """Qwen3-MoE has one window for every layer (transformers ignores max_window_layers there)."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    drop = ("use_sliding_window", "sliding_window", "max_window_layers")
+    hf = {k: v for k, v in ref.TINY["qwen3_moe"].items() if k not in drop} | QWEN2_WINDOWS[case]
+    hf_cfg = transformers.AutoConfig.for_model(**hf)
+    want = [modeling_qwen3_moe.Qwen3MoeAttention(hf_cfg, i).sliding_window for i in range(hf_cfg.num_hidden_layers)]
+    assert [layer.attention.window for layer in families.config_from_hf(hf).layers] == want
+
+
 @pytest.mark.parametrize("name", ["qwen2", "qwen2_full"])
 def test_qwen2_released_config_json_matches_hf(name, tmp_path):
     """A Qwen2 checkpoint whose config.json is spelled as Qwen releases them (no layer_types; sliding_window kept
