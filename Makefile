@@ -32,7 +32,7 @@ demo: $(VENV)/.runtime $(MODEL_DIR)/jaxmodels.json
 	$(VENV)/bin/jaxmodels generate --model $(MODEL_DIR) --prompt "$(PROMPT)" --max-new-tokens 64
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 test-heavy: $(VENV)/.test  # also the matrices too wide for CI's budget (tests marked heavy)
 	$(PY) -m pytest -q --heavy $(PYTEST_ARGS)
