@@ -98,15 +98,21 @@ def _layer(cfg: ModelConfig, spec, p, carry, ctx, lc):
             return y
         return attention.gqa(cfg, spec.attention, p["attn"], h, ctx, lc)
 
+    image = ctx.get("image_mask")  # DeepSeek V4.1's image spans [B, T]: their own router bias, no Engram
+
     def ffn(h):
         if spec.mlp.kind == "moe":
             stack = (ctx["stacks"][ctx["kind"]]["mlp"], ctx["rank"])  # the experts of every layer of this kind
-            return moe.sparse(spec.mlp, p["mlp"], h, ctx["shard"], ctx["tokens"], ctx["act_block"], stack)
+            pm = p["mlp"]
+            if image is not None and "selection_bias_vl" in pm:  # a bias per token [B*T, E]
+                pm = {**pm, "selection_bias": jnp.where(image.reshape(-1, 1), pm["selection_bias_vl"],
+                                                        pm["selection_bias"])}
+            return moe.sparse(spec.mlp, pm, h, ctx["shard"], ctx["tokens"], ctx["act_block"], stack)
         return mlp.gated(spec.mlp, p["mlp"], h, ctx["act_block"])
 
     if spec.engram >= 0:
-        x = engram.engram_inject(p["engram"], x, ctx["engram"][:, :, spec.engram], None, eps,
-                                 act_quant=ctx["act_block"] is not None)
+        x = engram.engram_inject(p["engram"], x, ctx["engram"][:, :, spec.engram], None if image is None else ~image,
+                                 eps, act_quant=ctx["act_block"] is not None)
     carry = dict(carry)
     if "mains" in carry:  # DSpark taps: the mean of the streams entering a target layer
         j = jnp.asarray(ctx["taps"])[ctx["layer"]]
@@ -205,12 +211,14 @@ def _rope_tables(cfg: ModelConfig, positions, dtype, valid=None) -> dict:
     return out
 
 
-def _engram(cfg: ModelConfig, params, tokens, cache, mode, lengths):
+def _engram(cfg: ModelConfig, params, tokens, cache, mode, lengths, dead=None):
     """Hash columns [B, T, engram layers, cols] of this step's tokens (the previous n-1 ids come from the cache's
-    history in decode) and the updated history."""
+    history in decode) and the updated history. dead [B, T]: tokens that take no part in an n-gram (image spans)."""
     e = cfg.engram
     B, T = tokens.shape
     ids = params["engram_map"][tokens]
+    if dead is not None:
+        ids = jnp.where(dead, engram.DEAD, ids)
     hist = cache.extra["engram_history"] if mode == "decode" else jnp.full((B, e.max_ngram - 1), engram.DEAD, jnp.int32)
     layout = engram.EngramLayout.from_config(e.layer_ids, e.max_ngram, e.vocab_size, e.n_heads, e.compressed_vocab)
     cols = engram.ngram_hashes(ids, layout, params["engram_map"][e.pad_token], history=hist)
@@ -236,7 +244,7 @@ def hidden(params, cfg: ModelConfig, tokens, positions, mode: str, cache=None, l
     x = params["embed"][tokens]
     if cfg.embed_scale is not None:  # rounded to the weight dtype, as HF
         x = x * jnp.asarray(cfg.embed_scale, params["embed"].dtype)
-    blocks = cross = None
+    blocks = cross = image = None
     if images:
         if mode == "decode":
             raise ValueError("images enter a forward, a prefill or an extend, not a decode step")
@@ -254,19 +262,21 @@ def hidden(params, cfg: ModelConfig, tokens, positions, mode: str, cache=None, l
             x = vision.splice(x, tokens, cfg.vision.image_token_id, features, valid)
         elif "features" in images:  # encoded already (the server: the rows of this chunk's image tokens)
             x = vision.splice(x, images["image_mask"], None, images["features"], images["valid"])
+        if cfg.vision.kind == "deepseek_vit" and ("pixel_values" in images or "features" in images):
+            image = images["image_mask"] if "features" in images else tokens == cfg.vision.image_token_id
     x = _constrain(shard, x, ("batch", None, None))
     padded = mode in ("prefill", "extend") and lengths is not None
     real = jnp.arange(tokens.shape[1]) < lengths[:, None] if padded else None  # right-padded rows
     ctx = {"positions": positions, "mode": mode, "lengths": lengths, "start": start, "unroll": unroll, "shard": shard,
            "tokens": tokens, "rope": _rope_tables(cfg, positions, x.dtype, real), "blocks": blocks, "cross": cross,
-           "act_block": cfg.quant_block if cfg.numerics == "reference" else None}
+           "act_block": cfg.quant_block if cfg.numerics == "reference" else None, "image_mask": image}
     carry = {"x": x, "state": {}, "cache": cache}
     if cfg.mhc is not None:
         B, T, D = x.shape
         carry["x"] = jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.mhc.copies, D))
         carry["pre"] = jax.nn.one_hot(jnp.zeros((B, T), jnp.int32), cfg.mhc.copies, dtype=F32)
     if cfg.engram is not None:
-        ctx["engram"], history = _engram(cfg, params, tokens, cache, mode, lengths)
+        ctx["engram"], history = _engram(cfg, params, tokens, cache, mode, lengths, image)
         if cache is not None:
             carry["cache"] = dataclasses.replace(cache, extra={**cache.extra, "engram_history": history})
     targets = cfg.mtp.target_layers if collect and cfg.mtp is not None else ()
