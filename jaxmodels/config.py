@@ -244,7 +244,7 @@ class MTPSpec:
         _one_of("MTPSpec", "kind", self.kind, ("classic", "dspark"))
 
 
-VISION_KINDS = ("siglip", "pixtral", "window_vit", "mllama")
+VISION_KINDS = ("siglip", "pixtral", "window_vit", "mllama", "deepseek_vit")
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,9 @@ class VisionSpec:
     kind: siglip (Gemma3: SigLIP, avg-pool projector, each image's soft tokens attend to each other in prefill) |
     pixtral (Mistral3: Pixtral with 2-D RoPE, images of any size, 2x2 patch merger) | window_vit (EXAONE 4.5:
     Qwen2.5-VL's windowed ViT with GQA, 2x2 merger) | mllama (Llama 3.2 Vision: a tiled encoder whose features the
-    decoder's cross-attention layers read). Sizes are the tower's; the projector maps to the decoder's
+    decoder's cross-attention layers read) | deepseek_vit (DeepSeek V4.1: a ViT with 2-D RoPE over each image's
+    own patch grid, a merge_size x merge_size aligner, learned image start/end/newline rows; image tokens route with
+    the router's bias_vl and take no part in Engram). Sizes are the tower's; the projector maps to the decoder's
     hidden size."""
 
     kind: str
@@ -284,13 +286,16 @@ class VisionSpec:
     max_tiles: int = 0  # mllama
     aspect_ratios: tuple[tuple[int, int], ...] = ()  # mllama: (height tiles, width tiles), ids 1.. in this order
     intermediate_layers: tuple[int, ...] = ()  # mllama: local layers whose outputs join the features
+    max_image_tokens: int = 0  # deepseek_vit: the most tokens an image's span may take (its resize plan)
+    min_pixels: int = 0  # deepseek_vit: smaller images are scaled up to about this many pixels
+    max_wh_ratio: float | None = None  # deepseek_vit: wider images are squeezed to this width / height
 
     def __post_init__(self):
         _one_of("VisionSpec", "kind", self.kind, VISION_KINDS)
         _one_of("VisionSpec", "activation", self.activation, ACTIVATIONS)
         for f in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size"):
             _size(f, getattr(self, f), "vision: ")
-        if self.kind != "window_vit":
+        if self.kind not in ("window_vit", "deepseek_vit"):
             _size("image_size", self.image_size, "vision: ")
         _size("image_token_id", self.image_token_id, "vision: ", least=0)
         _positive("norm_eps", self.norm_eps, "vision: ")
@@ -313,6 +318,14 @@ class VisionSpec:
             if any(not 0 <= i < self.num_layers for i in self.intermediate_layers):
                 raise ConfigError("intermediate_layers", self.intermediate_layers,
                                   f"indices of the {self.num_layers} local layers", "vision: ")
+        if self.kind == "deepseek_vit":
+            if self.head_dim % 4:
+                raise ConfigError("num_heads", self.num_heads, f"a count giving a head width divisible by 4 (the 2-D "
+                                  f"RoPE rotates half of each head per axis pair), not {self.head_dim}", "vision: ")
+            _size("max_image_tokens", self.max_image_tokens, "vision: ", least=4)
+            _size("min_pixels", self.min_pixels, "vision: ", least=0)
+            if self.max_wh_ratio is not None:
+                _positive("max_wh_ratio", self.max_wh_ratio, "vision: ")
         _size("merge_size", self.merge_size, "vision: ")
 
     @property

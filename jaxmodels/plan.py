@@ -231,13 +231,22 @@ def _tree_map(f, tree):
     return {k: _tree_map(f, v) if isinstance(v, dict) else f(v) for k, v in sorted(tree.items())}
 
 
+def _decoder_layer(cfg: ModelConfig, spec: LayerSpec) -> dict:
+    """A decoder layer's parameters: `layer_param_specs`, plus DeepSeek V4.1's router bias for image tokens
+    (`mlp/selection_bias_vl`, its checkpoint's `ffn.gate.bias_vl`) when the model sees images."""
+    out = layer_param_specs(cfg, spec)
+    if cfg.vision is not None and cfg.vision.kind == "deepseek_vit" and spec.mlp.selection_bias:
+        out["mlp"]["selection_bias_vl"] = _p((spec.mlp.num_experts,), (None,), dtype="float32")
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def param_specs(cfg: ModelConfig) -> dict:
     """Nested dict of every parameter's `ParamSpec`: the contract converters fill and check."""
     pl = plan(cfg)
     D, V = cfg.hidden_size, cfg.vocab_size
     out = {"embed": _p((V, D), ("vocab", "embed")),
-           "layers": {str(k): _tree_map(lambda s, n=n: s.stacked(n), layer_param_specs(cfg, spec))
+           "layers": {str(k): _tree_map(lambda s, n=n: s.stacked(n), _decoder_layer(cfg, spec))
                       for k, (spec, n) in enumerate(zip(pl.kinds, pl.counts))},
            "final_norm": _norm(D, cfg.norm == "gemma")}
     if not cfg.tie_embeddings:
@@ -259,6 +268,13 @@ def vision_param_specs(v, D: int) -> dict:
     r = lambda *shape, init="normal": _p(shape, (None,) * len(shape), init)  # noqa: E731
     stack = lambda tree: _tree_map(lambda s: s.stacked(L), tree)  # noqa: E731
     patch = 3 * v.patch_size ** 2 * v.temporal_patch_size
+    if v.kind == "deepseek_vit":  # ViT (fused qkv, fused gate|up), aligner, the image spans' delimiter rows
+        layer = {"norm1": r(C, init="ones"), "wqkv": r(C, 3 * C), "bqkv": r(3 * C), "wo": r(C, C), "bo": r(C),
+                 "norm2": r(C, init="ones"), "w_gate_up": r(C, 2 * I), "w_down": r(I, C)}
+        M = v.merge_size ** 2 * C
+        return {"patch": r(patch, C), "patch_bias": r(C), "layers": stack(layer), "norm": r(C, init="ones"),
+                "projector": {"w1": r(M, D), "b1": r(D), "w2": r(D, D), "b2": r(D)},
+                "image_start": r(D), "image_end": r(D), "image_newline": r(D)}
     if v.kind == "siglip":
         ln = lambda: {"w": r(C, init="ones"), "b": r(C, init="zeros")}  # noqa: E731
         layer = {"ln1": ln(), "ln2": ln(), "wq": r(C, H, d), "bq": r(H, d), "wk": r(C, H, d), "bk": r(H, d),

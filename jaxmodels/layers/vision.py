@@ -156,6 +156,10 @@ def encode(v, p, images: dict):
     if v.kind == "pixtral":
         x, grid = pixtral(v, p, images["pixel_values"], images.get("image_sizes"))
         return mistral3_projector(v, p["projector"], x, grid)
+    if v.kind == "deepseek_vit":  # every position of each image's span, delimiters included
+        from jaxmodels.layers import deepseek_vision
+
+        return deepseek_vision.encode(v, p, images["pixel_values"], images["image_grid_hw"])
     from jaxmodels.layers import window_vit
 
     z = window_vit.encode(v, p, images["pixel_values"], images["image_grid_thw"])
@@ -185,8 +189,9 @@ def image_blocks(token_type_ids):
 # ----------------------------------------------------------------------------------------------- host side
 ACCEPTED = {"siglip": ("pixel_values", "token_type_ids"), "pixtral": ("pixel_values", "image_sizes"),
             "window_vit": ("pixel_values", "image_grid_thw"),
-            "mllama": ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask")}
-STATIC = ("image_grid_thw",)  # decide shapes: passed to jit as static values
+            "mllama": ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"),
+            "deepseek_vit": ("pixel_values", "image_grid_hw")}
+STATIC = ("image_grid_thw", "image_grid_hw")  # decide shapes: passed to jit as static values
 
 
 def image_tokens(v, images: dict) -> int:
@@ -197,6 +202,10 @@ def image_tokens(v, images: dict) -> int:
     if v.kind == "pixtral":
         grid = np.asarray(images.get("image_sizes", [pv[2:]] * pv[0])) // v.patch_size // v.merge_size
         return int(np.sum(grid[:, 0] * grid[:, 1]))
+    if v.kind == "deepseek_vit":
+        from jaxmodels.layers import deepseek_vision
+
+        return sum(deepseek_vision.span_tokens(v, deepseek_vision.grids(images["image_grid_hw"])))
     thw = np.asarray(images["image_grid_thw"])
     return int(np.sum(np.prod(thw, axis=1))) // v.merge_size ** 2
 
@@ -233,7 +242,18 @@ def inputs(cfg, tokens: np.ndarray, given: dict) -> tuple[dict, tuple]:
     if v.kind == "mllama":
         _mllama_inputs(v, tokens.shape, arrays)
         return {k: jnp.asarray(a) for k, a in arrays.items()}, ()
-    if v.kind == "window_vit":
+    if v.kind == "deepseek_vit":
+        from jaxmodels.layers import deepseek_vision
+
+        if "image_grid_hw" not in arrays:
+            raise ValueError(f"{cfg.family} takes image_grid_hw (each image's patch rows and columns) with "
+                             "pixel_values")
+        grid = deepseek_vision.grids(arrays["image_grid_hw"])
+        want = [deepseek_vision.patches(grid), 3, v.patch_size, v.patch_size]
+        if list(pv.shape) != want:
+            raise ValueError(f"pixel_values must be {want} (the patches of image_grid_hw {[list(g) for g in grid]}), "
+                             f"got {list(pv.shape)}")
+    elif v.kind == "window_vit":
         want = 3 * v.temporal_patch_size * v.patch_size ** 2
         if pv.ndim != 2 or pv.shape[1] != want:
             raise ValueError(f"pixel_values must be [patches, {want}], got {list(pv.shape)}")
@@ -254,6 +274,8 @@ def inputs(cfg, tokens: np.ndarray, given: dict) -> tuple[dict, tuple]:
     need, have = image_tokens(v, arrays), int(np.sum(tokens == v.image_token_id))
     if need != have:
         raise ValueError(f"the images fill {need} image tokens (id {v.image_token_id}) but the tokens hold {have}")
+    if v.kind == "deepseek_vit":
+        deepseek_vision.check_spans(v, tokens, grid)
     static = tuple((k, tuple(map(tuple, arrays.pop(k).tolist()))) for k in STATIC if k in arrays)
     return {k: jnp.asarray(a) for k, a in arrays.items()}, static
 
