@@ -1,5 +1,6 @@
 """DeepSeek V4 / V4.1 checkpoints (specs/deepseek_v4.md §10): a reader that decodes their quantized tensors, and
-the imports of the backbone and of the MTP blocks through the one planner (converters/hf.py) with the name maps
+the imports of the backbone (with V4.1's vision tower when the config has one: `vision.*`, `aligner.*`, `image_*`,
+`ffn.gate.bias_vl`, plain BF16) and of the MTP blocks through the one planner (converters/hf.py) with the name maps
 of jaxmodels/families/deepseek_v4.py.
 
 `QuantReader` pairs each `X.weight` with its `X.scale` (HF: `weight_scale_inv`): FP8 e4m3 weights with E8M0
@@ -140,7 +141,8 @@ def backbone(reader, cfg, dtype: str = "float32", token_map=None, keep_quantized
     if cfg.engram is not None and token_map is None:
         raise CheckpointError("this model uses Engram, which needs the tokenizer (tokenizer.json) to build its "
                               "compressed-vocabulary map; none was found")
-    yield from stream(QuantReader(reader, keep_quantized), cfg, fam.NAMES, dtype, fam.SKIP, done=done, bar=bar,
+    names, skip = fam.import_names(cfg)  # V4.1 with vision: the tower, the aligner, the delimiters and bias_vl too
+    yield from stream(QuantReader(reader, keep_quantized), cfg, names, dtype, skip, done=done, bar=bar,
                       renames=fam.RENAMES, derived=fam.DERIVED)
     if cfg.engram is not None and ("engram_map", ()) not in done:
         yield ("engram_map", ()), [Part("engram_map", (), (), np.asarray(token_map, np.int32))]
@@ -236,7 +238,7 @@ def import_sharded(root, reader, cfg, tok, mesh, rules="tp", dtype: str = "float
     if cfg.engram is not None and tok is None:
         raise CheckpointError("this model uses Engram, which needs the tokenizer (tokenizer.json) to build its "
                               "compressed-vocabulary map; none was found")
-    parts = [(quant, fam.NAMES, fam.SKIP, dict(derived=fam.DERIVED), flatten(param_specs(cfg)))]
+    parts = [(quant, *fam.import_names(cfg), dict(derived=fam.DERIVED), flatten(param_specs(cfg)))]
     mtp = _Only(quant, "mtp.")
     if mtp.keys() and not skip_mtp:
         specs = _mtp_specs(mtp, cfg)

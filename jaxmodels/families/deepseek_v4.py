@@ -9,6 +9,10 @@ and Engram as a layer extra (V4.1):
        and top-k; index sources score against their own (or the latest) indexer keys, and the layers after the
        candidate source only rescore inside its candidate blocks.
 
+V4.1 with a `vision_config` sees images (kind `deepseek_vit`, jaxmodels/layers/deepseek_vision.py): the ViT and
+aligner (`vision.*`, `aligner.*`), the learned `image_start` / `image_end` / `image_newline` rows and each router's
+`ffn.gate.bias_vl` for image tokens are imported (VISION_NAMES); without one they are left out, as before.
+
 Checkpoints come in DeepSeek's own layout (`layers.N.attn.*`, `layers.N.ffn.experts.E.w{1,2,3}`, `hc_*`,
 `engram.*`, FP8/FP4 with `.scale` beside the weight; converters/deepseek.py decodes them) or HF's saved layout
 (the same leaves under `model.`, renamed by RENAMES first).
@@ -16,15 +20,17 @@ Checkpoints come in DeepSeek's own layout (`layers.N.attn.*`, `layers.N.ffn.expe
 from __future__ import annotations
 
 from jaxmodels.config import (AttentionSpec, EngramSpec, LayerSpec, MHCSpec, MLASpec, MLPSpec, ModelConfig,
-                              MTPSpec, RopeSpec)
+                              MTPSpec, RopeSpec, VisionSpec)
 
 V4, V41 = "deepseek_v4", "deepseek_v41"
 
 # HF / vLLM spellings -> DeepSeek's own names (applied before the name map)
 RENAMES = ((r"^model\.", ""), (r"^embed_tokens\.", "embed."), (r"^lm_head\.", "head."), (r"^hc_head\.hc_", "hc_head_"),
-           (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."), (r"\.attn\.norm\.weight$", ".attn.kv_norm.weight"),
-           (r"\.e_score_correction_bias$", ".bias"), (r"\.weight_scale_inv$", ".scale"))
-SKIP = (r"vision\..*", r"aligner\..*", r"image_(start|end|newline).*", r".*\.ffn\.gate\.bias_vl", r"mtp\..*")
+           (r"\.self_attn\.", ".attn."), (r"^(?!vision\.)(.*?)\.mlp\.", r"\1.ffn."),  # the ViT's blocks keep `mlp`
+           (r"\.attn\.norm\.weight$", ".attn.kv_norm.weight"), (r"\.e_score_correction_bias$", ".bias"),
+           (r"\.weight_scale_inv$", ".scale"))
+VISION_SKIP = (r"vision\..*", r"aligner\..*", r"image_(start|end|newline).*", r".*\.ffn\.gate\.bias_vl")
+SKIP = (*VISION_SKIP, r"mtp\..*")
 DERIVED = ("engram_map",)  # built from the tokenizer, not read from the checkpoint
 
 # one layer's tensors (relative to `layers.N.` or `mtp.N.`) -> (param path, transform)
@@ -74,6 +80,58 @@ MTP_NAMES = {
     r"mtp\.{i}\.hc_head_(?P<x>fn|base|scale)": ("hc_head/{x}", "copy"),
 }
 MTP_SKIP = (r"mtp\.\d+\.(embed|embed_tokens|head|lm_head)\.weight", r"mtp\.\d+\.ffn\.gate\.bias_vl")
+
+# V4.1's vision tower in DeepSeek's own names (upstream inference/vision.py + model.py: 266 tensors in the release, all
+# BF16) and the routers' image-token bias. nn.Linear weights [out, in] -> [in, out]; the MLP's w1 is [gate | up].
+_VB = r"vision\.blocks\.{v}\."
+VISION_NAMES = {
+    r"vision\.patch_embed\.proj\.weight": ("vision/patch", "T"),
+    r"vision\.patch_embed\.proj\.bias": ("vision/patch_bias", "copy"),
+    _VB + r"norm1\.weight": ("vision/layers/norm1", "copy"),
+    _VB + r"attn\.wqkv\.weight": ("vision/layers/wqkv", "T"),
+    _VB + r"attn\.wqkv\.bias": ("vision/layers/bqkv", "copy"),
+    _VB + r"attn\.wo\.weight": ("vision/layers/wo", "T"),
+    _VB + r"attn\.wo\.bias": ("vision/layers/bo", "copy"),
+    _VB + r"norm2\.weight": ("vision/layers/norm2", "copy"),
+    _VB + r"mlp\.w1\.weight": ("vision/layers/w_gate_up", "T"),
+    _VB + r"mlp\.w2\.weight": ("vision/layers/w_down", "T"),
+    r"vision\.norm\.weight": ("vision/norm", "copy"),
+    r"aligner\.w1\.weight": ("vision/projector/w1", "T"),
+    r"aligner\.w1\.bias": ("vision/projector/b1", "copy"),
+    r"aligner\.w2\.weight": ("vision/projector/w2", "T"),
+    r"aligner\.w2\.bias": ("vision/projector/b2", "copy"),
+    r"image_start": ("vision/image_start", "copy"),
+    r"image_end": ("vision/image_end", "copy"),
+    r"image_newline": ("vision/image_newline", "copy"),
+    r"layers\.{i}\.ffn\.gate\.bias_vl": ("mlp/selection_bias_vl", "copy"),
+}
+
+
+def import_names(cfg: ModelConfig) -> tuple[dict, tuple[str, ...]]:
+    """(the backbone's name map, the checkpoint entries it leaves out): the vision tower's and bias_vl join the map
+    when the config sees images, else they are skipped."""
+    if cfg.vision is None:
+        return NAMES, SKIP
+    return NAMES | VISION_NAMES, tuple(x for x in SKIP if x not in VISION_SKIP)
+
+
+def _vision(hf: dict) -> VisionSpec | None:
+    """V4.1's `vision_config` (specs/deepseek_v4.md §1.1; the reference's `vision_*` ModelArgs) -> the tower, or
+    None without one or with 0 layers (the reference's `vision_n_layers == 0` turns vision off). Defaults are the
+    reference's ModelArgs; the tower's RMSNorm eps is its hard-coded 1e-6, not the text model's."""
+    vc = hf.get("vision_config") or {}
+    if not vc.get("num_hidden_layers"):
+        return None
+    text = hf.get("text_config") or {}
+    ratio = vc.get("max_wh_ratio")
+    return VisionSpec(
+        kind="deepseek_vit", hidden_size=vc.get("hidden_size", 1024), num_layers=vc["num_hidden_layers"],
+        num_heads=vc.get("num_attention_heads", 16), intermediate_size=vc.get("intermediate_size", 2816),
+        patch_size=vc.get("patch_size", 14), image_token_id=int(hf.get("image_token_id", text.get("image_token_id",
+                                                                                                   129264))),
+        activation="silu", norm_eps=1e-6, rope_theta=float(vc.get("rope_theta", 10000.0)),
+        merge_size=vc.get("downsample_ratio", 3), max_image_tokens=vc.get("max_image_tokens", 1024),
+        min_pixels=vc.get("min_pixels", 544 * 544), max_wh_ratio=None if ratio is None else float(ratio))
 
 
 def _yarn(t: dict, theta: float) -> RopeSpec:
@@ -200,4 +258,5 @@ def config(hf: dict) -> ModelConfig:
         max_position_embeddings=t.get("max_position_embeddings", 1 << 20),
         bos_token_id=t.get("bos_token_id", hf.get("bos_token_id", 0)), eos_token_ids=eos,
         pad_token_id=t.get("pad_token_id", hf.get("pad_token_id")),
-        quant_block=int((q.get("weight_block_size") or [32 if v41 else 128])[0]), engram=engram, mtp=mtp)
+        quant_block=int((q.get("weight_block_size") or [32 if v41 else 128])[0]), engram=engram, mtp=mtp,
+        vision=_vision(hf) if v41 else None)
