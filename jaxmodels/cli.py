@@ -92,10 +92,14 @@ def _vision(cfg) -> dict | None:
     tower = {"siglip": "SigLIP, avg-pool projector", "pixtral": "Pixtral (2-D RoPE, any size), patch merger",
              "window_vit": "windowed ViT, patch merger",
              "mllama": f"tiled encoder + {v.global_layers} gated global layers, read by cross-attention layers "
-                       f"{[i for i, s in enumerate(cfg.layers) if s.attention.kind == 'cross']}"}[v.kind]
+                       f"{[i for i, s in enumerate(cfg.layers) if s.attention.kind == 'cross']}",
+             "deepseek_vit": "ViT (2-D RoPE, any size), aligner, learned image start/end/newline rows; image tokens "
+                             "route with bias_vl, no Engram"}[v.kind]
     size = {"siglip": f"{v.image_size}px -> {v.tokens_per_image} tokens", "pixtral": f"longest edge {v.image_size}px",
             "window_vit": f"windows of {v.window_size}px, full blocks {list(v.full_blocks)}",
-            "mllama": f"up to {v.max_tiles} tiles of {v.image_size}px"}[v.kind]
+            "mllama": f"up to {v.max_tiles} tiles of {v.image_size}px",
+            "deepseek_vit": f"up to {v.max_image_tokens} tokens an image, at least {v.min_pixels} px"
+                            + (f", wider than {v.max_wh_ratio}:1 squeezed" if v.max_wh_ratio else "")}[v.kind]
     return {"kind": v.kind, "tower": tower, "layers": v.num_layers, "hidden": v.hidden_size, "heads": v.num_heads,
             "kv_heads": v.num_kv_heads or v.num_heads, "intermediate": v.intermediate_size, "patch": v.patch_size,
             "merge": v.merge_size, "images": size, "image_token_id": v.image_token_id, "activation": v.activation,

@@ -5,6 +5,9 @@ then reproduces transformers 5.24's PIL backend (`Gemma3ImageProcessorPil`, `Pix
 `MllamaImageProcessorPil`, `Qwen2VLImageProcessorPil`) bit for bit: Pillow resizes the uint8 image, rescale runs in
 float64 and is cast to float32, normalize runs in float32, in HF's order. Each returns HF's output names plus what a
 prompt needs to expand its image placeholders.
+
+DeepSeek V4.1 has no HF processor: `deepseek_v41` follows its reference `inference/image_processor.py` (and
+`load_image_plain` opens images as that file does).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-__all__ = ["load_image", "gemma3", "pixtral", "mllama", "qwen2_vl", "PROCESSORS"]
+__all__ = ["load_image", "load_image_plain", "gemma3", "pixtral", "mllama", "qwen2_vl", "deepseek_v41", "PROCESSORS"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -534,6 +537,133 @@ def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pix
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h, w
+
+
+# ---------------------------------------------------------------------------------------------- DeepSeek V4.1
+
+def load_image_plain(x, where: str = "image 0") -> Image.Image:
+    """An RGB image as DeepSeek V4.1's reference processor opens one (upstream `inference/image_processor.py`
+    `load_image`: Pillow's `convert("RGB")`): no EXIF rotation, and an alpha channel dropped rather than laid over
+    white as HF's `load_image` does. The same sources as `load_image` (PIL images, paths, bytes, data: URIs,
+    channels-last arrays) and the same one-line ValueErrors starting with `where`."""
+    if isinstance(x, np.ndarray):
+        if x.ndim == 3 and x.shape[-1] == 4:
+            x = x[..., :3]  # convert("RGB") of an RGBA image keeps the colour channels as they are
+        return _from_array(x, where)
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        data = bytes(x)
+    elif isinstance(x, str) and x[:5].lower() == "data:":
+        data = _data_uri(x, where)
+    elif isinstance(x, str) and _URL.match(x):
+        return load_image(x, where)  # refused there, with the reason
+    elif isinstance(x, (str, os.PathLike)):
+        data = _read_file(x, where)
+    elif isinstance(x, Image.Image):
+        return _plain_rgb(x, where)
+    else:
+        return load_image(x, where)  # an unsupported type: its error
+    if not data:
+        raise ValueError(f"{where}: empty image data")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.UnidentifiedImageError:
+        raise ValueError(f"{where}: not a readable image (no image format Pillow knows)") from None
+    except Exception as e:
+        raise ValueError(f"{where}: not a readable image ({_one_line(e)})") from e
+    return _plain_rgb(image, where)
+
+
+def _plain_rgb(image: Image.Image, where: str) -> Image.Image:
+    if image.width == 0 or image.height == 0:
+        raise ValueError(f"{where}: zero-size image ({image.width}x{image.height})")
+    try:
+        return image.convert("RGB")  # loads the pixels too, so decode errors surface here
+    except Exception as e:
+        raise ValueError(f"{where}: cannot decode the image ({_one_line(e)})") from e
+
+
+def _v41_grid(height: int, width: int, patch: int, r: int) -> tuple[int, int]:
+    """The aligner's token grid for a patch-multiple pixel size: ceil((side / patch) / r) each."""
+    return -(-(height // patch) // r), -(-(width // patch) // r)
+
+
+def _v41_fit(height, width, patch: int, r: int, max_tokens: int) -> tuple[int, int]:
+    """The largest aspect-keeping pixel size (multiples of the patch) whose span fits max_tokens (the reference's
+    `solve_resize_ratio`): w token columns and h = w * height / width rows solve h * (w + 1) + 2 = max_tokens;
+    degenerate shapes collapse to one column or one row."""
+    ratio = height / width
+    cols = math.sqrt((max_tokens - 2) / ratio + 0.25) - 0.5
+    rows = cols * ratio
+    cell = patch * r
+    if cols < 1.0:  # very tall
+        return (max_tokens - 2) // 2 * cell, cell
+    if rows < 1.0:  # very wide
+        return cell, (max_tokens - 3) * cell
+    scale = min(math.floor(cols) * cell / width, math.floor(rows) * cell / height)
+    return math.floor(height * scale / patch) * patch, math.floor(width * scale / patch) * patch
+
+
+def deepseek_v41_plan(width: int, height: int, patch_size: int, downsample_ratio: int, max_image_tokens: int,
+                      min_pixels: int, max_wh_ratio: float | None = None) -> tuple[int, int, int, int]:
+    """(token rows, token columns, pixel height, pixel width) of an image of this size (the reference's
+    `plan_image_grid` + `safe_resize`): a wider-than-max_wh_ratio image is planned as that ratio; one under
+    min_pixels scaled up to about it (each side truncated); each side rounded up to the patch; if the span would
+    exceed max_image_tokens, the largest aspect-keeping size that fits."""
+    p, r = patch_size, downsample_ratio
+    if max_wh_ratio is not None and width > height * max_wh_ratio:
+        width = height * max_wh_ratio
+    if 0 < width * height < min_pixels:
+        scale = (min_pixels / (width * height)) ** 0.5
+        width, height = int(width * scale), int(height * scale)
+    best_w, best_h = math.ceil(width / p) * p, math.ceil(height / p) * p
+    rows, cols = _v41_grid(best_h, best_w, p, r)
+    if rows * (cols + 1) + 2 > max_image_tokens:
+        best_h, best_w = _v41_fit(height, width, p, r, max_image_tokens)
+        rows, cols = _v41_grid(best_h, best_w, p, r)
+        if rows * (cols + 1) + 2 > max_image_tokens or min(best_h, best_w) < p:
+            raise ValueError(f"deepseek_v41: no size of a {width}x{height} image fits {max_image_tokens} tokens")
+    return rows, cols, int(best_h), int(best_w)
+
+
+def deepseek_v41(images: Sequence[Image.Image], patch_size: int = 14, downsample_ratio: int = 3,
+                 max_image_tokens: int = 1024, min_pixels: int = 544 * 544,
+                 max_wh_ratio: float | None = None) -> dict[str, np.ndarray]:
+    """DeepSeek V4.1's reference image processor (upstream `inference/image_processor.py` `load_image`): each image
+    (RGB, as `load_image_plain` opens it) is planned by `deepseek_v41_plan`, fitted into that size keeping its
+    aspect ratio and centred on grey (127, 127, 127) by Pillow's `ImageOps.pad` (bicubic; an image wider than
+    max_wh_ratio is stretched to it by `resize` instead), scaled to [-1, 1] as float32 (x / 255 - 0.5) / 0.5 and
+    rounded to bfloat16 (the reference hands the tower bf16 patches), then cut into patches.
+
+    Returns pixel_values [sum of n_h * n_w, 3, p, p] float32 (bf16 values; each image's patches row-major, image
+    after image), image_grid_hw [N, 2] int64 (the patch grid n_h, n_w), token_grid [N, 2] int64 (the aligner's
+    rows and columns) and num_image_tokens [N] int64 (the span: rows * (columns + 1) + 2 image tokens).
+    """
+    import ml_dtypes
+
+    images = _rgb_images(images, "deepseek_v41")
+    for name, value in (("patch_size", patch_size), ("downsample_ratio", downsample_ratio),
+                        ("max_image_tokens", max_image_tokens)):
+        if not _is_int(value) or value < (4 if name == "max_image_tokens" else 1):
+            raise ValueError(f"deepseek_v41: {name} must be an integer >= {4 if name == 'max_image_tokens' else 1}, "
+                             f"got {value!r}")
+    p = patch_size
+    out, grids, tokens = [], [], []
+    for image in images:
+        rows, cols, h, w = deepseek_v41_plan(image.width, image.height, p, downsample_ratio, max_image_tokens,
+                                             min_pixels, max_wh_ratio)
+        if max_wh_ratio is not None and image.width >= max_wh_ratio * image.height:
+            image = image.resize((w, h), Image.Resampling.BICUBIC)
+        else:
+            image = ImageOps.pad(image, (w, h), color=(127, 127, 127))
+        x = np.asarray(image, dtype=np.float32) / np.float32(255)
+        x = ((x - np.float32(0.5)) / np.float32(0.5)).astype(ml_dtypes.bfloat16).astype(np.float32)
+        x = x.reshape(h // p, p, w // p, p, 3).transpose(0, 2, 4, 1, 3)  # [n_h, n_w, c, kh, kw]
+        out.append(x.reshape(-1, 3, p, p))
+        grids.append((h // p, w // p))
+        tokens.append((rows, cols))
+    token_grid = np.asarray(tokens, np.int64)
+    return {"pixel_values": np.concatenate(out), "image_grid_hw": np.asarray(grids, np.int64),
+            "token_grid": token_grid, "num_image_tokens": token_grid[:, 0] * (token_grid[:, 1] + 1) + 2}
 
 
 PROCESSORS = {"gemma3": gemma3, "pixtral": pixtral, "mllama": mllama, "qwen2_vl": qwen2_vl}

@@ -3,8 +3,8 @@ expansion its HF processor does, so that `jm.generate`, the CLI and the server f
 `transformers` would.
 
 A prompt marks each image with its family's placeholder (Gemma3 `<start_of_image>`, Mistral3 `[IMG]`, EXAONE 4.5
-`<|image_pad|>`); the chat template writes them for `{"type": "image"}` content parts. A prompt with no
-placeholder gets one per image in front of its text.
+`<|image_pad|>`, DeepSeek V4.1 `<｜deepseek_image｜>`, the token of its image_token_id); the chat template writes them
+for `{"type": "image"}` content parts. A prompt with no placeholder gets one per image in front of its text.
 """
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ def placeholder(model) -> str:
 def process(model, images: list) -> dict:
     """Images (PIL images, paths, bytes, data: URIs, arrays) -> the model's processor outputs (HF names, numpy)."""
     v, settings = model.config.vision, dict(getattr(model, "preprocessor", None) or {})
+    if v.kind == "deepseek_vit":  # no HF processor: the reference's own, its settings in the model config
+        pil = [img.load_image_plain(x, f"image {i}") for i, x in enumerate(images)]
+        return img.deepseek_v41(pil, v.patch_size, v.merge_size, v.max_image_tokens, v.min_pixels, v.max_wh_ratio)
     pil = [img.load_image(x, f"image {i}") for i, x in enumerate(images)]
     if v.kind == "siglip":
         settings.setdefault("size", {"height": v.image_size, "width": v.image_size})
@@ -92,6 +95,8 @@ def prepare(model, prompts: list, images: list[list], templated: bool = False) -
         raise ValueError("this model has no tokenizer: pass token ids")
     if cfg.vision.kind == "mllama":
         return _prepare_mllama(model, prompts, images, templated)
+    if cfg.vision.kind == "deepseek_vit":
+        return _prepare_deepseek(model, prompts, images, templated)
     mark = placeholder(model) if tok is not None else None
     flat = [x for row in images for x in row]
     out = process(model, flat) if flat else {}
@@ -116,6 +121,36 @@ def _expand(model, out: dict, k: int, text: str, row: list, mark: str, j: int, t
         raise ValueError(f"prompt {j} has {n} image placeholders ({mark}) for {len(row)} images")
     parts = text.split(mark)
     return parts[0] + "".join(_expansion(model, out, k + i) + part for i, part in enumerate(parts[1:]))
+
+
+def _prepare_deepseek(model, prompts, images, templated: bool):
+    """DeepSeek V4.1 (the reference's `prepare_vl_inputs`): each prompt is tokenized with one image token per image
+    and each of those tokens is then replaced, in token ids, by the image's whole span (rows * (columns + 1) + 2
+    copies of the image token id). A prompt of ids may hold one image token per image (expanded here) or the
+    expanded spans already (kept)."""
+    v, tok = model.config.vision, model.tokenizer
+    flat = [x for row in images for x in row]
+    out = process(model, flat) if flat else {}
+    spans = [int(n) for n in out.get("num_image_tokens", ())]
+    ids, k = [], 0
+    for j, (p, row) in enumerate(zip(prompts, images)):
+        if isinstance(p, str):
+            mark = placeholder(model)
+            if row and mark not in p and not templated:
+                p = mark * len(row) + p
+            p = tok.encode(p, add_special_tokens=not templated)
+        p = list(p)
+        n = p.count(v.image_token_id)
+        mine = spans[k:k + len(row)]
+        if n == len(row):  # one placeholder per image: expand each to its span
+            it = iter(mine)
+            p = [x for t in p for x in ([t] * next(it) if t == v.image_token_id else [t])]
+        elif n != sum(mine):
+            raise ValueError(f"prompt {j} has {n} image tokens ({v.image_token_id}) for {len(row)} images: one per "
+                             f"image, or their {sum(mine)} span tokens")
+        ids.append(p)
+        k += len(row)
+    return ids, {name: out[name] for name in ("pixel_values", "image_grid_hw") if name in out}
 
 
 def _prepare_mllama(model, prompts, images, templated: bool):
