@@ -11,6 +11,7 @@ Random bf16 weights at real shapes (speed does not depend on the values). Measur
              max_new values, so prefill and the first token are excluded)
   hf_eager   LlamaForCausalLM, sdpa, bf16, DynamicCache, eager: prefill 2048 and decode at batch 1 / 32
   hf_compile the same model with a StaticCache and torch.compile(mode="reduce-overhead") decode
+             (both HF stages: benchmarks/hf_peer.py, shared with bench_moe.py and bench.py)
 
 Each stage runs in its own process (JAX preallocates GPU memory; torch gets the card to itself after),
 with its own time limit, and writes <out>/stage_<name>.json; the driver merges them into
@@ -22,14 +23,16 @@ with its own time limit, and writes <out>/stage_<name>.json; the driver merges t
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_peer  # noqa: E402
 from _common import (drive, hlo_report, jax_ceilings, jax_decode, jax_generate, jax_prefill, log,  # noqa: E402
-                     median_time, run_stage, sync, torch_ceilings)
+                     median_time, run_stage)
 
 LLAMA31_8B = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -305,136 +308,8 @@ def stage_diag_dsf(S: dict, out: dict, save):
 
 
 # ------------------------------------------------------------------------------------ torch stages
-
-def build_hf(S: dict):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = {k: v for k, v in S["hf"].items() if k not in ("model_type", "architectures", "torch_dtype")}
-    conf = LlamaConfig(**hf)
-    conf._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    with torch.device(dev):
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = LlamaForCausalLM(conf)
-        finally:
-            torch.set_default_dtype(prev)
-    model = model.to(dev, torch.bfloat16).eval()
-    if dev == "cuda":
-        torch.cuda.synchronize()
-    return model, dev, time.perf_counter() - t0
-
-
-
-def stage_hf_eager(S: dict, out: dict, save):
-    import torch
-    import transformers
-
-    r = out.setdefault("hf_eager", {})
-    r["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
-    if torch.cuda.is_available():
-        r["device"] = torch.cuda.get_device_name()
-        r["ceilings"] = torch_ceilings(S, out)
-        log(f"[hf] ceilings {r['ceilings']}")
-        save()
-    model, dev, tb = build_hf(S)
-    r["build_s"] = tb
-    r["attn_implementation"] = model.config._attn_implementation
-    r["param_bytes"] = int(sum(p.numel() * p.element_size() for p in model.parameters()))
-    log(f"[hf] model {r['param_bytes'] / 1e9:.2f} GB built in {tb:.1f} s on {dev}, attn={r['attn_implementation']}")
-    V = S["hf"]["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        T = S["prefill_len"]
-        toks = torch.randint(0, V, (1, T), generator=g).to(dev)
-
-        def pf():
-            o = model(input_ids=toks, use_cache=True, logits_to_keep=1)
-            sync(dev)
-            return o
-        pf()
-        t, ts = median_time(pf, S["reps"])
-        r["prefill"] = {"batch": 1, "T": T, "ms": t * 1e3, "tokens_per_s": T / t, "rep_s": ts}
-        log(f"[hf] eager prefill T={T}: {t * 1e3:.2f} ms, {T / t:.0f} tok/s")
-        save()
-        dec = {}
-        for B in S["batches"]:
-            prompt = torch.randint(0, V, (B, S["prompt"]), generator=g).to(dev)
-            tok = torch.randint(0, V, (B, 1), generator=g).to(dev)
-            o = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            cache = o.past_key_values
-            r["cache_class"] = type(cache).__name__
-            nsteps = S["decode_steps"]
-
-            def run(k=nsteps):
-                extra = cache.get_seq_length() - S["prompt"]
-                if extra > 0:
-                    cache.crop(-extra)  # negative: drop that many tokens (the spelling 5.x versions share)
-                for _ in range(k):
-                    o = model(input_ids=tok, past_key_values=cache, use_cache=True)
-                sync(dev)
-                return o.logits
-            run(4)
-            t, ts = median_time(run, S["reps"])
-            st = t / nsteps
-            dec[str(B)] = {"batch": B, "steps": nsteps, "step_ms": st * 1e3, "tokens_per_s": B / st, "rep_s": ts,
-                           "mean_context": S["prompt"] + (nsteps - 1) / 2}
-            log(f"[hf] eager decode B={B}: {st * 1e3:.3f} ms/step, {B / st:.1f} tok/s")
-            r["decode"] = dec
-            del cache, o
-            save()
-
-
-def stage_hf_compile(S: dict, out: dict, save):
-    import torch
-    from transformers import StaticCache
-
-    r = out.setdefault("hf_compile", {})
-    model, dev, tb = build_hf(S)
-    r["build_s"] = tb
-    r["mode"] = "StaticCache + torch.compile(model.forward, mode='reduce-overhead', fullgraph=True); prefill eager"
-    fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    V = S["hf"]["vocab_size"]
-    g = torch.Generator().manual_seed(1)
-    dec = {}
-    with torch.inference_mode():
-        for B in S["batches"]:
-            try:
-                cache = StaticCache(config=model.config, max_cache_len=S["cache_len"])
-            except TypeError:
-                cache = StaticCache(config=model.config, max_batch_size=B, max_cache_len=S["cache_len"],
-                                    device=dev, dtype=torch.bfloat16)
-            P = S["prompt"]
-            prompt = torch.randint(0, V, (B, P), generator=g).to(dev)
-            tok = torch.randint(0, V, (B, 1), generator=g).to(dev)
-            model(input_ids=prompt, past_key_values=cache, use_cache=True,
-                  cache_position=torch.arange(P, device=dev), logits_to_keep=1)
-            nsteps = S["decode_steps"]
-            cps = [torch.tensor([P + i], device=dev) for i in range(nsteps)]
-
-            def run(k=nsteps):
-                for i in range(k):
-                    o = fwd(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=cps[i])
-                    lg = o.logits
-                sync(dev)
-                return lg
-            t0 = time.perf_counter()
-            run(3)  # compile + cudagraph warm-up/record
-            tc = time.perf_counter() - t0
-            run(4)
-            t, ts = median_time(run, S["reps"])
-            st = t / nsteps
-            dec[str(B)] = {"batch": B, "steps": nsteps, "step_ms": st * 1e3, "tokens_per_s": B / st, "rep_s": ts,
-                           "compile_and_warmup_s": tc, "mean_context": P + (nsteps - 1) / 2,
-                           "cache_slots": S["cache_len"]}
-            log(f"[hf] compiled decode B={B}: {st * 1e3:.3f} ms/step, {B / st:.1f} tok/s (compile+warmup {tc:.1f} s)")
-            r["decode"] = dec
-            del cache
-            save()
+stage_hf_eager = functools.partial(hf_peer.stage_eager, attn="sdpa")
+stage_hf_compile = functools.partial(hf_peer.stage_compile, attn="sdpa")
 
 
 STAGES = {"jax": stage_jax, "hf_eager": stage_hf_eager, "hf_compile": stage_hf_compile,

@@ -13,6 +13,7 @@ the router picks: see `routing`). Same structure and helpers as bench_dense.py (
              decode at batch 1 / 64; records transformers' experts implementation (grouped_mm / eager)
   hf_compile StaticCache + torch.compile(mode="reduce-overhead", fullgraph=True) decode; falls back to
              fullgraph=False, then to eager StaticCache, and records which one ran and why
+             (both HF stages: benchmarks/hf_peer.py, shared with bench_dense.py and bench.py)
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_moe.py --out $OUT --commit $(git rev-parse --short HEAD)
     .venv/bin/python benchmarks/bench_moe.py --tiny --out /tmp/bench_moe_tiny     # CPU smoke test
@@ -20,15 +21,15 @@ the router picks: see `routing`). Same structure and helpers as bench_dense.py (
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_peer  # noqa: E402
 from _common import (drive, hlo_report, jax_ceilings, jax_decode, jax_generate, jax_prefill, log,  # noqa: E402
-                     median_time, run_stage, sync, torch_ceilings)
+                     median_time, run_stage)
 
 GPT_OSS_20B = {
     "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
@@ -171,8 +172,8 @@ def stage_jax(S: dict, out: dict, save):
     hits: list[int] = []
     orig_route = moe.route
 
-    def route_rec(spec_, p, x):
-        w, idx = orig_route(spec_, p, x)
+    def route_rec(spec_, p, x, tokens=None):
+        w, idx = orig_route(spec_, p, x, tokens)
         jax.debug.callback(lambda i: hits.append(int(np.unique(np.asarray(i)).size)), idx)
         return w, idx
 
@@ -236,7 +237,7 @@ def stage_jax(S: dict, out: dict, save):
     try:
         for name, fn, batches in (("gather", gathered_moe, [b for b in S["batches"] if b <= 8]),
                                   ("dense", moe.dense, S["batches"])):
-            moe.sparse = fn
+            moe.sparse = lambda spec_, p, x, *_, fn=fn: fn(spec_, p, x)  # the executor also passes shard, tokens, ...
             for B in batches:
                 if time.perf_counter() - t_start > S["budget_s"] + 15:
                     log("[diag] out of time")
@@ -270,162 +271,9 @@ def stage_jax(S: dict, out: dict, save):
 
 
 # ------------------------------------------------------------------------------------ torch stages
-def build_hf(S: dict):
-    import torch
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = {k: v for k, v in S["hf"].items() if k not in ("model_type", "architectures", "torch_dtype")}
-    conf = GptOssConfig(**hf)
-    conf._attn_implementation = "eager"  # GptOss has no sdpa; flash/flex kernels are not on the machine
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    with torch.device(dev):
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = GptOssForCausalLM(conf)
-        finally:
-            torch.set_default_dtype(prev)
-    model = model.to(dev, torch.bfloat16).eval()
-    sync(dev)
-    info = {"build_s": time.perf_counter() - t0, "attn_implementation": model.config._attn_implementation,
-            "experts_implementation": getattr(model.config, "_experts_implementation", None),
-            "param_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters()))}
-    log(f"[hf] model {info['param_bytes'] / 1e9:.2f} GB built in {info['build_s']:.1f} s on {dev}: {info}")
-    return model, dev, info
-
-
-def timed_decode(step, reset, n: int, reps: int, warm: int = 4):
-    """Median seconds of n decode steps; reset() (untimed) restores the cache before each repetition."""
-    reset()
-    step(warm)
-    ts = []
-    for _ in range(reps):
-        reset()
-        t0 = time.perf_counter()
-        step(n)
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2], ts
-
-
-def stage_hf_eager(S: dict, out: dict, save):
-    import torch
-    import transformers
-
-    r = out.setdefault("hf_eager", {})
-    r["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
-    if torch.cuda.is_available():
-        r["device"] = torch.cuda.get_device_name()
-        r["ceilings"] = torch_ceilings(S, out)
-        log(f"[hf] ceilings {r['ceilings']}")
-        save()
-    model, dev, info = build_hf(S)
-    r.update(info)
-    save()
-    V = S["hf"]["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        T = S["prefill_len"]
-        toks = torch.randint(0, V, (1, T), generator=g).to(dev)
-
-        def pf():
-            o = model(input_ids=toks, use_cache=True, logits_to_keep=1)
-            sync(dev)
-            return o
-        pf()
-        t, ts = median_time(pf, S["hf_reps"])
-        r["prefill"] = {"batch": 1, "T": T, "ms": t * 1e3, "tokens_per_s": T / t, "rep_s": ts}
-        log(f"[hf] eager prefill T={T}: {t * 1e3:.2f} ms, {T / t:.0f} tok/s")
-        save()
-        dec = {}
-        for B in S["batches"]:
-            prompt = torch.randint(0, V, (B, S["prompt"]), generator=g).to(dev)
-            tok = torch.randint(0, V, (B, 1), generator=g).to(dev)
-            base = model(input_ids=prompt, use_cache=True, logits_to_keep=1).past_key_values
-            r["cache_class"] = type(base).__name__
-            st = {}
-
-            def reset():
-                st["c"] = copy.deepcopy(base)
-                sync(dev)
-
-            def step(k):
-                for _ in range(k):
-                    o = model(input_ids=tok, past_key_values=st["c"], use_cache=True)
-                sync(dev)
-                return o.logits
-            n = S["hf_steps"]
-            t, ts = timed_decode(step, reset, n, S["hf_reps"])
-            dec[str(B)] = {"batch": B, "steps": n, "step_ms": t / n * 1e3, "tokens_per_s": B * n / t, "rep_s": ts,
-                           "mean_context": S["prompt"] + (n - 1) / 2}
-            log(f"[hf] eager decode B={B}: {t / n * 1e3:.3f} ms/step, {B * n / t:.1f} tok/s")
-            r["decode"] = dec
-            del base, st
-            save()
-
-
-def stage_hf_compile(S: dict, out: dict, save):
-    import torch
-    from transformers import StaticCache
-
-    r = out.setdefault("hf_compile", {})
-    model, dev, info = build_hf(S)
-    r.update(info)
-    modes = [("compile reduce-overhead fullgraph", dict(mode="reduce-overhead", fullgraph=True)),
-             ("compile reduce-overhead", dict(mode="reduce-overhead", fullgraph=False)),
-             ("eager StaticCache", None)]
-    r["attempts"] = []
-    V = S["hf"]["vocab_size"]
-    g = torch.Generator().manual_seed(1)
-    P, n = S["prompt"], S["hf_steps"]
-    dec = {}
-    mi = 0
-    with torch.inference_mode():
-        for B in S["batches"]:
-            prompt = torch.randint(0, V, (B, P), generator=g).to(dev)
-            tok = torch.randint(0, V, (B, 1), generator=g).to(dev)
-            cps = [torch.tensor([P + i], device=dev) for i in range(n + 4)]
-            while mi < len(modes):
-                name, kw = modes[mi]
-                fwd = model.forward if kw is None else torch.compile(model.forward, **kw)
-                try:
-                    cache = StaticCache(config=model.config, max_cache_len=S["cache_len"])
-                    model(input_ids=prompt, past_key_values=cache, use_cache=True,
-                          cache_position=torch.arange(P, device=dev), logits_to_keep=1)
-                    st = {"i": 0}
-
-                    def reset():  # positions restart at P: the steps overwrite the same slots
-                        st["i"] = 0
-
-                    def step(k):
-                        for _ in range(k):
-                            o = fwd(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=cps[st["i"]])
-                            lg = o.logits
-                            st["i"] += 1
-                        sync(dev)
-                        return lg
-                    t0 = time.perf_counter()
-                    step(3)  # compile + cudagraph warm-up/record
-                    tc = time.perf_counter() - t0
-                    t, ts = timed_decode(step, reset, n, S["hf_reps"])
-                except Exception as e:  # noqa: BLE001  record it, try the next mode
-                    r["attempts"].append({"batch": B, "mode": name, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-                    log(f"[hf] {name} failed at B={B}: {type(e).__name__}: {str(e)[:500]}")
-                    save()
-                    torch._dynamo.reset()
-                    mi += 1
-                    continue
-                dec[str(B)] = {"batch": B, "steps": n, "step_ms": t / n * 1e3, "tokens_per_s": B * n / t, "rep_s": ts,
-                               "mode": name, "compile_and_warmup_s": tc, "mean_context": P + (n - 1) / 2,
-                               "cache_slots": S["cache_len"]}
-                r["attempts"].append({"batch": B, "mode": name, "ok": True})
-                log(f"[hf] {name} decode B={B}: {t / n * 1e3:.3f} ms/step, {B * n / t:.1f} tok/s "
-                    f"(compile+warmup {tc:.1f} s)")
-                r["decode"] = dec
-                del cache
-                save()
-                break
+# GptOss has no sdpa path; flash/flex kernels are not on the machine
+stage_hf_eager = functools.partial(hf_peer.stage_eager, attn="eager")
+stage_hf_compile = functools.partial(hf_peer.stage_compile, attn="eager")
 
 
 STAGES = {"jax": stage_jax, "hf_eager": stage_hf_eager, "hf_compile": stage_hf_compile}
@@ -492,9 +340,12 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/tmp")
     ap.add_argument("--stage", choices=list(STAGES), help="run one stage in this process (used by the driver)")
     ap.add_argument("--stages", default="jax,hf_eager,hf_compile")
-    ap.add_argument("--timeouts", default="jax=160,hf_eager=90,hf_compile=150", help="seconds per stage")
+    ap.add_argument("--timeouts", help="seconds per stage (default jax=160,hf_eager=90,hf_compile=150; tiny: 400 "
+                                       "each, torch.compile on a CPU takes minutes)")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
+    args.timeouts = args.timeouts or ("jax=400,hf_eager=400,hf_compile=400" if args.tiny else
+                                      "jax=160,hf_eager=90,hf_compile=150")
     S = settings(args.tiny)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.stage:
