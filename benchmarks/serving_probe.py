@@ -1,8 +1,8 @@
 """Where an engine decode step's time goes (Llama-3.1-8B shape, 64 rows, 2048-token max_model_len, random weights):
 the engine's step() wall time split into host work and waiting for the device, with the host/device overlap
-(async scheduling) off and on; the host work alone (the jitted step stubbed out: `host_only`); the jitted paged step alone (same arguments: device time when dispatched back to
-back, and dispatch + device + read-back when synced each call); `M.decode_step` on a contiguous cache of the same
-size.
+(async scheduling) off and on; the host work alone (the jitted step stubbed out: `host_only`); the jitted paged
+step alone (same arguments: device time when dispatched back to back, and dispatch + device + read-back when synced
+each call); `M.decode_step` on a contiguous cache of the same size.
 
     python3 benchmarks/serving_probe.py --out $OUT                 # the GPU run
     python3 benchmarks/serving_probe.py --tiny --out /tmp/probe    # host time on a CPU (a 4-layer width-64 Llama)
@@ -118,7 +118,7 @@ def main():
     else:
         hf, dtype, L, prompt, new = LLAMA31_8B, jnp.bfloat16, 2048, 512, 1500
     cfg = families.config_from_hf(hf)
-    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=dtype, std=0.3 if a.tiny else 0.02))()
+    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=dtype, **({"std": 0.3} if a.tiny else {})))()
     model = jm.Model(cfg, params, tok)
     B, bs = a.rows, 16
     engine = Engine(model, EngineConfig(max_num_seqs=B, max_model_len=L, block_size=bs, kv_blocks=B * L // bs + 64))
