@@ -1,6 +1,6 @@
-"""Shared pieces of the GPU benchmarks (bench_dense.py, bench_moe.py): timing, ceilings, the JAX
-decode / prefill / generate measurements, the HLO inventory, and the driver that runs each stage in
-its own process and merges their JSON."""
+"""Shared pieces of the GPU benchmarks (bench.py, bench_dense.py, bench_moe.py, ...): timing, ceilings, the JAX
+decode / prefill / generate measurements (the executor's functions, and the public `jm.generate`), the HLO inventory,
+and the driver that runs each stage in its own process and merges their JSON. The HF peer is in hf_peer.py."""
 from __future__ import annotations
 
 import hashlib
@@ -242,6 +242,59 @@ def jax_generate(S: dict, cfg, params, rng, out: dict, save):
         save_part(out, "generate", gen, save)
 
 
+def jax_public_decode(model, B: int, context: int, max_len: int, new: tuple[int, int], reps: int, rng) -> dict:
+    """Decode tokens/s through the public `jm.generate` (greedy, ignore_eos) from B random prompts of `context` tokens
+    in a cache of `max_len` slots: the best of `reps` calls at each of two lengths new = (lo, hi), after one call at
+    each that compiles it; tok/s = B * (hi - lo) / (t_hi - t_lo), so prefill, dispatch and compile cancel
+    (decode_probe.py's method). The steps measured see contexts context + lo .. context + hi - 1."""
+    import jaxmodels as jm
+
+    prompts = rng.integers(0, model.config.vocab_size, (B, context)).tolist()
+
+    def call(n):
+        t0 = time.perf_counter()
+        out = jm.generate(model, prompts, max_new_tokens=n, ignore_eos=True, max_len=max_len)
+        dt = time.perf_counter() - t0
+        assert all(len(x) == n for x in out.tokens), "generate stopped early"
+        return dt
+
+    lo, hi = new
+    first = {n: call(n) for n in (lo, hi)}
+    ts = {n: [call(n) for _ in range(reps)] for n in (lo, hi)}
+    step = (min(ts[hi]) - min(ts[lo])) / (hi - lo)
+    r = {"batch": B, "context": context, "max_len": max_len, "new_tokens": [lo, hi], "first_call_s": first[lo],
+         "first_call_s_hi": first[hi], "rep_s": {str(n): v for n, v in ts.items()}, "step_ms": step * 1e3,
+         "tokens_per_s": B / step, "mean_context": context + (lo + hi - 1) / 2}
+    log(f"[jax] jm.generate B={B} context {context} cache {max_len}: {step * 1e3:.3f} ms/step, {B / step:.1f} tok/s "
+        f"(first call {first[lo]:.1f} s)")
+    return r
+
+
+def jax_public_prefill(cfg, params, T: int, reps: int, rng, dtype) -> dict:
+    """Prefill tokens/s of one random [1, T] prompt into a T-slot cache through
+    `jax.jit(M.prefill, compiler_options=M.COMPILER_OPTIONS)` (what `jm.generate` runs): best of `reps` after one
+    call that compiles it."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmodels import model as M
+    pre = jax.jit(M.prefill, static_argnums=1, compiler_options=M.COMPILER_OPTIONS)
+    cache = M.init_cache(cfg, 1, T, dtype)
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, T)), jnp.int32)
+    lens = jnp.asarray([T], jnp.int32)
+    t0 = time.perf_counter()
+    jax.block_until_ready(pre(params, cfg, toks, lens, cache))
+    first = time.perf_counter() - t0
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(pre(params, cfg, toks, lens, cache))
+        ts.append(time.perf_counter() - t0)
+    t = min(ts)
+    log(f"[jax] prefill T={T}: {t * 1e3:.2f} ms, {T / t:.0f} tok/s (first call {first:.1f} s)")
+    return {"batch": 1, "T": T, "ms": t * 1e3, "tokens_per_s": T / t, "first_call_s": first, "rep_s": ts}
+
+
 # ------------------------------------------------------------------------------------ torch
 def torch_ceilings(S: dict, out: dict):
     import torch
@@ -304,21 +357,31 @@ def run_stage(stages: dict, name: str, args, S: dict):
     save()
 
 
-def drive(script: str, result_name: str, args, S: dict, summarize, stage_env: dict | None = None) -> dict:
+def drive(script: str, result_name: str, args, S: dict, summarize, stage_env: dict | None = None,
+          budget_s: float | None = None) -> dict:
     """Run each of args.stages in its own process (`script --stage NAME`) under its time limit, merge the
-    stage JSONs into <out>/<result_name>, and print summarize(res, S)."""
+    stage JSONs into <out>/<result_name>, and print summarize(res, S). With `budget_s`, the whole run stays within
+    that many seconds: a stage's limit is cut to what is left, and a stage with under 20 s left is skipped."""
     limits = dict(kv.split("=") for kv in args.timeouts.split(","))
+    t_start = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
     res = {"settings": {k: v for k, v in S.items() if k != "hf"}, "hf_config": S["hf"], "tiny": args.tiny,
            "commit": args.commit, "jaxmodels_src_sha256_12": src_hash(), "host": platform.node(),
            "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "stages": {}}
     for name in args.stages.split(","):
         t0 = time.perf_counter()
+        limit = float(limits.get(name, 600))
+        if budget_s is not None:
+            left = budget_s - (t0 - t_start)
+            if left < 20:
+                res["stages"][name] = {"rc": "skipped: run budget spent", "wall_s": 0.0}
+                log(f"== stage {name}: skipped, {left:.0f} s of the {budget_s:.0f} s budget left")
+                continue
+            limit = min(limit, left)
         cmd = [sys.executable, script, "--stage", name, "--out", args.out] + (["--tiny"] if args.tiny else [])
-        log(f"== stage {name} (limit {limits.get(name, 600)} s)")
+        log(f"== stage {name} (limit {limit:.0f} s)")
         try:
-            rc = subprocess.run(cmd, env=env | (stage_env or {}).get(name, {}),
-                                timeout=float(limits.get(name, 600))).returncode
+            rc = subprocess.run(cmd, env=env | (stage_env or {}).get(name, {}), timeout=limit).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         res["stages"][name] = {"rc": rc, "wall_s": time.perf_counter() - t0}

@@ -162,11 +162,12 @@ def static_cache(model, B: int, cache_len: int, dev):
 
 def compiled_decode(cf: CompiledForward, dev, B: int, prompt: int, cache_len: int, n: int, reps: int, g,
                     contexts: list[int] | None = None) -> dict | list[dict] | None:
-    """Decode through cf.forward on a StaticCache of `cache_len` slots after an eager `prompt`-token prefill: one
-    constant token per row for n steps at positions prompt.. (each repetition rewrites the same slots); the first
-    3 steps (compile, CUDA-graph record) are timed apart. Falls back through cf's modes on failure; None when all
-    fail. With `contexts`, after that first measurement the same cache (same compiled graph) is refilled to each
-    context in turn and measured again: a list of results, one per context."""
+    """Decode through cf.forward on a StaticCache of `cache_len` slots: one constant token per row for n steps at
+    positions prompt.. after an eager `prompt`-token prefill. Before each repetition (untimed) the cache is reset and
+    the prompt prefilled again: transformers 5.24's static layers write at their own running length and ignore
+    `cache_position`, so restarting the positions alone would not rewind them. The first 3 steps (compile, CUDA-graph
+    record) are timed apart. Falls back through cf's modes on failure; None when all fail. With `contexts`, the same
+    cache (same compiled graph) is then measured at each of those prompt lengths: a list of results, one per context."""
     import torch
 
     model, V = cf.model, cf.model.config.vocab_size
@@ -178,13 +179,15 @@ def compiled_decode(cf: CompiledForward, dev, B: int, prompt: int, cache_len: in
                 cache = static_cache(model, B, cache_len, dev)
                 out = []
                 for P in [prompt] + (contexts or []):
-                    model(input_ids=ids[:, :P], past_key_values=cache, use_cache=True,
-                          cache_position=torch.arange(P, device=dev), logits_to_keep=1)
-                    cps = [torch.tensor([P + i], device=dev) for i in range(n + 4)]
+                    cps = [torch.tensor([P + i], device=dev) for i in range(max(n, 4))]
                     st = {"i": 0}
 
-                    def reset():  # positions restart at P: the steps overwrite the same slots
+                    def reset(P=P):  # the cache holds the P-token prompt again; the next position is P
+                        cache.reset()
+                        model(input_ids=ids[:, :P], past_key_values=cache, use_cache=True,
+                              cache_position=torch.arange(P, device=dev), logits_to_keep=1)
                         st["i"] = 0
+                        sync(dev)
 
                     def step(k):
                         for _ in range(k):
@@ -194,6 +197,7 @@ def compiled_decode(cf: CompiledForward, dev, B: int, prompt: int, cache_len: in
                             st["i"] += 1
                         sync(dev)
                         return lg
+                    reset()
                     t0 = time.perf_counter()
                     step(3)  # compile + cudagraph warm-up/record (at the first context)
                     tc = time.perf_counter() - t0
