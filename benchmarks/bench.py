@@ -288,9 +288,11 @@ def summarize(res: dict, S: dict) -> str:
             notes.append(f"- {w['label']}: the first `jm.generate` call (compile included) took "
                          f"{w['ours']['first_call_s']:.1f} s")
     for name, st in res.get("stages", {}).items():
-        if st["rc"] != 0:
+        if isinstance(st["rc"], str) and st["rc"].startswith("skipped"):
+            notes.append(f"- stage {name}: {st['rc']} (--budget-s), its rows are missing")
+        elif st["rc"] != 0:
             notes.append(f"- stage {name}: {st['rc'] if isinstance(st['rc'], str) else 'rc=' + str(st['rc'])} after "
-                         f"{st['wall_s']:.0f} s (its rows are partial or missing)")
+                         f"{st['wall_s']:.0f} s, its rows are partial or missing")
     for k in [k for k in res if k.startswith("stage_")]:
         for a in res[k].get("hf", {}).get("attempts", []):
             if "error" in a:
