@@ -55,7 +55,8 @@ def _gelu(x):
 
 def vit(W, patches, n_h, n_w, heads, theta=10000.0):
     """patches [n_h * n_w, 3, p, p] -> final-norm features [n_h * n_w, C]."""
-    x = patches.reshape(patches.shape[0], -1) @ W["vision.patch_embed.proj.weight"].T + W["vision.patch_embed.proj.bias"]
+    x = patches.reshape(patches.shape[0], -1) @ W["vision.patch_embed.proj.weight"].T
+    x = x + W["vision.patch_embed.proj.bias"]
     n, C = x.shape
     d = C // heads
     half = d // 2

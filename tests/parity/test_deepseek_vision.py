@@ -403,7 +403,8 @@ def test_missing_and_misshapen_vision_tensors(tmp_path):
     assert "image_end" in error(lambda t: t.pop("image_end"))
     msg = error(lambda t: t.update({"aligner.w1.weight": t["aligner.w1.weight"][:, :100]}))
     assert "aligner.w1.weight" in msg and "(256, 288)" in msg
-    assert "layer 2 of 2" in error(lambda t: t.update({"vision.blocks.2.norm1.weight": t["vision.blocks.0.norm1.weight"]}))
+    extra = lambda t: t.update({"vision.blocks.2.norm1.weight": t["vision.blocks.0.norm1.weight"]})  # noqa: E731
+    assert "layer 2 of 2" in error(extra)
     text_only = {k: v for k, v in hf.items() if k != "vision_config"}
     cfg, params, _ = attempt(lambda t: None, text_only)
     assert cfg.vision is None and "vision" not in params
