@@ -90,16 +90,7 @@ def attention_probs(cfg: ModelConfig, a, p, h, ctx) -> jax.Array:
     normed input h [B, T, D] -> float32 [B, H, T, T] (query, key). q and k as `attention.gqa` builds them (biases,
     qk-norm, RoPE); the softmax is `attention.attend`'s own (mask with the layer's window, softcap, sinks: a row
     then sums to less than 1) applied to identity values, in fp32."""
-    q, k = (jnp.tensordot(h, p[n], axes=1) for n in ("wq", "wk"))
-    if a.qkv_bias:
-        q, k = q + p["bq"], k + p["bk"]
-    if a.qk_norm:
-        q = norm(q, p["q_norm"], cfg.norm_eps, a.qk_norm)
-        k = norm(k, p["k_norm"], cfg.norm_eps, a.qk_norm)
-    if a.rope is not None:
-        cos, sin = ctx["rope"][(a.rope, cfg.head_dim)]
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        q, k = rope.apply(q, cos, sin, a.rope.interleaved), rope.apply(k, cos, sin, a.rope.interleaved)
+    q, k, _ = attention.project(cfg, a, p, h, ctx)
     # values: key s carries one-hot(s); q and k zero-padded to that width (the scores do not change) since
     # attend's output has the width of q
     B, T, K, d = k.shape
@@ -154,19 +145,7 @@ def _layer(stack, rank, carry, tokens, positions, *, cfg: ModelConfig, spec: Lay
         carry["pre"] = pF
         seen["mhc"] = {"attn": Mix(pA, qA, cA), "mlp": Mix(pF, qF, cF)}
     else:
-        h = x if spec.block == "post" else norm(x, p["attn_norm"], eps, nk)
-        a = attn(h)
-        if spec.block == "parallel":
-            x = x + a + ffn(h)
-        elif spec.block == "pre":
-            x = x + a
-            x = x + ffn(norm(x, p["mlp_norm"], eps, nk))
-        elif spec.block == "sandwich":
-            x = x + norm(a, p["post_attn_norm"], eps, nk)
-            x = x + norm(ffn(norm(x, p["mlp_norm"], eps, nk)), p["post_mlp_norm"], eps, nk)
-        else:  # post
-            x = x + norm(a, p["post_attn_norm"], eps, nk)
-            x = x + norm(ffn(x), p["post_mlp_norm"], eps, nk)
+        x = executor.residual_block(spec, p, x, attn, ffn, eps)
     carry["x"], carry["state"] = x, out["state"]
     return carry, seen
 

@@ -124,23 +124,29 @@ def _layer(cfg: ModelConfig, spec, p, carry, ctx, lc):
                                     lambda h: attn(norm(h, p["attn_norm"], eps, nk)),
                                     lambda h: ffn(norm(h, p["mlp_norm"], eps, nk)), spec.mhc, eps)
     else:
-        h = x if spec.block == "post" else norm(x, p["attn_norm"], eps, nk)
-        a = attn(h)
-        if spec.block == "parallel":
-            x = x + a + ffn(h)
-        elif spec.block == "pre":
-            x = x + a
-            x = x + ffn(norm(x, p["mlp_norm"], eps, nk))
-        elif spec.block == "sandwich":
-            x = x + norm(a, p["post_attn_norm"], eps, nk)
-            x = x + norm(ffn(norm(x, p["mlp_norm"], eps, nk)), p["post_mlp_norm"], eps, nk)
-        else:  # post
-            x = x + norm(a, p["post_attn_norm"], eps, nk)
-            x = x + norm(ffn(x), p["post_mlp_norm"], eps, nk)
+        x = residual_block(spec, p, x, attn, ffn, eps)
     carry["x"], carry["state"] = x, out["state"]
     if lc is not None:
         carry["cache"] = lc.cache
     return carry
+
+
+def residual_block(spec, p, x, attn, ffn, eps: float):
+    """One layer's attention and MLP around the residual stream x by the spec's norm placement (pre | post |
+    sandwich | parallel); attn and ffn map normed inputs to their outputs."""
+    nk = spec.norm
+    h = x if spec.block == "post" else norm(x, p["attn_norm"], eps, nk)
+    a = attn(h)
+    if spec.block == "parallel":
+        return x + a + ffn(h)
+    if spec.block == "pre":
+        x = x + a
+        return x + ffn(norm(x, p["mlp_norm"], eps, nk))
+    if spec.block == "sandwich":
+        x = x + norm(a, p["post_attn_norm"], eps, nk)
+        return x + norm(ffn(norm(x, p["mlp_norm"], eps, nk)), p["post_mlp_norm"], eps, nk)
+    x = x + norm(a, p["post_attn_norm"], eps, nk)  # post
+    return x + norm(ffn(x), p["post_mlp_norm"], eps, nk)
 
 
 def _execute(cfg: ModelConfig, pl: Plan, runs, stacks, carry, ctx, layer_off, rank_off):

@@ -143,14 +143,8 @@ def decode_reference(q, cache, last, *, window, scale: float, softcap=None, sink
                   softcap=softcap, sinks=sinks)
 
 
-def gqa(cfg, a, p, h, ctx, cache):
-    """One layer's grouped-query attention: h [B, T, D] (normed) -> [B, T, D].
-
-    ctx: positions [B, T], mode (full | prefill | extend | decode), lengths (prefill, extend), start (extend), rope
-    tables. cache: this layer's `jaxmodels.cache.LayerCache` with slot caches "k" and "v" (None in full mode).
-    Prefill attends within the chunk and writes it; extend attends the cache and the chunk, then writes it;
-    decode writes its token, then attends every slot of the (ring) cache.
-    """
+def project(cfg, a, p, h, ctx):
+    """h [B, T, D] (normed) -> q [B, T, H, d], k and v [B, T, K, d]: projections, biases, qk-norm, RoPE."""
     q, k, v = (jnp.tensordot(h, p[n], axes=1) for n in ("wq", "wk", "wv"))
     if a.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
@@ -161,6 +155,18 @@ def gqa(cfg, a, p, h, ctx, cache):
         cos, sin = ctx["rope"][(a.rope, cfg.head_dim)]
         cos, sin = cos[:, :, None], sin[:, :, None]
         q, k = rope.apply(q, cos, sin, a.rope.interleaved), rope.apply(k, cos, sin, a.rope.interleaved)
+    return q, k, v
+
+
+def gqa(cfg, a, p, h, ctx, cache):
+    """One layer's grouped-query attention: h [B, T, D] (normed) -> [B, T, D].
+
+    ctx: positions [B, T], mode (full | prefill | extend | decode), lengths (prefill, extend), start (extend), rope
+    tables. cache: this layer's `jaxmodels.cache.LayerCache` with slot caches "k" and "v" (None in full mode).
+    Prefill attends within the chunk and writes it; extend attends the cache and the chunk, then writes it;
+    decode writes its token, then attends every slot of the (ring) cache.
+    """
+    q, k, v = project(cfg, a, p, h, ctx)
     scale = a.scale if a.scale is not None else cfg.head_dim ** -0.5
     pos = ctx["positions"]
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, d]: the cache layout
