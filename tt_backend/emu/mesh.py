@@ -1,0 +1,185 @@
+"""Emulated multi-device execution of tensor-parallel programs (`tt_backend.mesh`).
+
+    ex = MeshExecutor(model, (1, 8), numerics="exact")     # a T3K: 8 devices, one TP group
+    kv = ex.allocate_kv_cache(num_blocks)                  # the *logical* caches [blocks, K, block, d], as Executor
+    logits = ex.prefill(tokens, page_table_row, kv)        # [T, vocab], the same API as `Executor`
+    logits = ex.decode(tokens, positions, page_table, kv)
+    ex.devices                                             # every device's tensors of the last run
+
+Each device holds its own tensors: weights distributed by their mesh mappers (`mesh.host_tensor` then the
+mapper's split, then host packing to the weight's dtype per device shard), inputs replicated, and its K/N
+heads of every paged cache as a *view* of the logical cache (`ShardTensor2dMesh(dims=(None, 1))`), so cache
+writes land in the caller's buffers and the generator's cache layout is unchanged. Ordinary ops run per
+device through the single-device emulator's `OPS`; the CCLs are emulated across devices exactly:
+- all_gather: concatenation in device order;
+- reduce_scatter: the float32 sum of the devices' terms in device order, then split; the result is rounded
+  to the output dtype once (hardware's ring accumulates hop by hop in the tensor's dtype: at `full`
+  numerics this is a model, not verified);
+- mesh_partition: each device keeps its slice.
+The output (vocab-sharded logits) is concatenated as `ConcatMeshToTensor` would and the LM head's padding
+dropped.
+
+Data parallel x tensor parallel, as tt-metal's generator_vllm: `executor_factory(model)` is a
+`tt_backend.generator.initialize_vllm_model(executor_factory=...)` factory: each data-parallel submesh gets a
+`MeshVLLMExecutor` over its own devices (tt-metal reshapes every submesh to (1, n/dp)); `data_parallel(model,
+mesh, dp)` builds the same executors directly.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from tt_backend import mesh as tp
+from tt_backend.emu.executor import Executor, VLLMExecutor, first_layers
+from tt_backend.emu.ops import OPS, Env
+from tt_backend.lowering import check_decode_batch
+from tt_backend.program import Ref, TTProgram
+from tt_backend.weights import prepare
+
+F32 = np.float32
+REPLICATE = {"mesh_mapper": "ttnn.ReplicateTensorToMesh"}
+
+
+# ------------------------------------------------------------------------------------------- CCLs
+def _check_axis(prog_axis: int, kwargs: dict):
+    if kwargs.get("cluster_axis", prog_axis) != prog_axis:
+        raise ValueError(f"CCL on cluster_axis {kwargs['cluster_axis']}, the mesh's TP axis is {prog_axis}")
+
+
+def all_gather(xs: list, *, dim: int, **_) -> list:
+    full = np.concatenate([np.asarray(x) for x in xs], axis=dim)
+    return [full] * len(xs)
+
+
+def reduce_scatter(xs: list, *, dim: int, **_) -> list:
+    acc = np.asarray(xs[0], F32)
+    for x in xs[1:]:
+        acc = acc + np.asarray(x, F32)
+    return np.split(acc, len(xs), axis=dim)
+
+
+def mesh_partition(xs: list, *, dim: int, **_) -> list:
+    return [np.split(np.asarray(x), len(xs), axis=dim)[j] for j, x in enumerate(xs)]
+
+
+CCL = {"ttnn.all_gather": all_gather, "ttnn.reduce_scatter": reduce_scatter, "ttnn.mesh_partition": mesh_partition}
+
+
+# --------------------------------------------------------------------------------------- executor
+class MeshExecutor(Executor):
+    """`Executor` over a 1-D mesh of `mesh` devices (an int N or (1, N)): same API, same logical KV caches."""
+
+    def __init__(self, model, mesh, *, numerics: str = "full", policy="performance", max_seq_len: int = 8192,
+                 block_size: int = 32):
+        super().__init__(model, numerics=numerics, policy=policy, max_seq_len=max_seq_len, block_size=block_size)
+        self.mesh_shape = tp.mesh_shape(mesh)
+        self.n = self.mesh_shape[0] * self.mesh_shape[1]
+        self.weights = {}  # the single-device copy is not used: each device gets its shard below
+        self.host = prepare(self.config, model.params, max_seq_len)  # float32, before any mapper or packing
+        self._shards: dict[str, list[np.ndarray]] = {}
+        self.devices: list[dict] | None = None
+        tp.shard_program(Executor.program(self, "decode", 1), self.mesh_shape)  # refuse indivisible shapes now
+
+    @functools.lru_cache(maxsize=32)
+    def program(self, mode: str, rows: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
+                cache_position_modulo: tuple | None = None, embeddings: bool = False,
+                attention_mask: bool = False) -> TTProgram:
+        single = Executor.program(self, mode, rows, chunk_start, per_layer_page_tables, cache_position_modulo,
+                                  embeddings, attention_mask)
+        return tp.shard_program(single, self.mesh_shape)
+
+    def _device_weights(self, prog: TTProgram) -> list[dict]:
+        mappers = prog.meta["mesh"]["mappers"]
+        used = {r for c in prog.calls for r in c.refs()}
+        out = [{} for _ in range(self.n)]
+        for name in used:
+            spec = prog.tensors[name]
+            if spec.kind != "weight":
+                continue
+            if name not in self._shards:  # as ttnn.as_tensor(host, dtype, mesh_mapper=...) packs each shard
+                m = mappers.get(name, REPLICATE)
+                a = tp.host_tensor(self.host, name, m)
+                if m["mesh_mapper"] == "ttnn.ReplicateTensorToMesh":
+                    self._shards[name] = [self._store(a, spec.dtype, "host")] * self.n
+                else:
+                    self._shards[name] = [self._store(p, spec.dtype, "host") for p in tp.distribute(a, m)]
+            for j in range(self.n):
+                out[j][name] = self._shards[name][j]
+        return out
+
+    def run(self, prog: TTProgram, inputs: dict, kv_cache, owners=None) -> dict[str, np.ndarray]:
+        """Every device runs `prog`; returns device 0's tensors with the program output composed over the mesh
+        (all devices' tensors are in `self.devices`)."""
+        if set(inputs) != set(prog.inputs):
+            raise ValueError(f"program inputs are {sorted(prog.inputs)}, got {sorted(inputs)}")
+        if len(kv_cache) != self.config.num_layers:
+            raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {self.config.num_layers}")
+        n, axis = self.n, prog.meta["mesh"]["cluster_axis"]
+        k = self.config.num_kv_heads // n
+        devices = self._device_weights(prog)
+        for j, t in enumerate(devices):
+            t |= {name: np.asarray(v) for name, v in inputs.items()}  # ReplicateTensorToMesh
+            for i, (kc, vc) in enumerate(kv_cache):  # views: device j's KV heads of the logical cache
+                t[f"kv.{i}.k"], t[f"kv.{i}.v"] = kc[:, j * k:(j + 1) * k], vc[:, j * k:(j + 1) * k]
+        env = Env(self.level, lambda x, dt: self._store(x, dt, "device"), self.kv_dtype, owners)
+        for idx, c in enumerate(prog.calls):
+            if c.op in CCL:
+                _check_axis(axis, c.kwargs)
+                results = [(r,) for r in CCL[c.op]([t[c.inputs[0]] for t in devices], **c.kwargs)]
+            else:
+                fn = OPS.get(c.op)
+                if fn is None:
+                    raise NotImplementedError(f"call {idx}: the emulator has no {c.op}")
+                results = []
+                for t in devices:
+                    kw = {key: t[v.name] if isinstance(v, Ref) else v for key, v in c.kwargs.items()}
+                    res = fn(env, *[t[x] for x in c.inputs], **kw)
+                    results.append((res,) if len(c.outputs) == 1 else res)
+            for t, res in zip(devices, results):
+                for name, val in zip(c.outputs, res):
+                    t[name] = self._store(val, prog.tensors[name].dtype, "device")
+        self.devices = devices
+        out = dict(devices[0])
+        name = prog.outputs[0]
+        composer = prog.meta["mesh"]["output"]
+        if composer is not None:  # ConcatMeshToTensor(dim), then the vocab padding dropped
+            full = np.concatenate([t[name] for t in devices], axis=composer["dim"])
+            width = composer.get("logical_width")
+            out[name] = full if width is None else full[..., :width]
+        return out
+
+
+class MeshVLLMExecutor(VLLMExecutor):
+    """`VLLMExecutor` (the generator's per-submesh executor) over a TP mesh; caches are the logical ones."""
+
+    def __init__(self, model, mesh, *, numerics: str = "full", policy="performance", max_seq_len: int = 8192,
+                 block_size: int = 32):
+        self.executor = MeshExecutor(model, mesh, numerics=numerics, policy=policy, max_seq_len=max_seq_len,
+                                     block_size=block_size)
+        self.config = model.config
+
+
+def _devices(submesh) -> int:
+    shape = getattr(submesh, "shape", submesh)
+    return int(shape) if isinstance(shape, (int, np.integer)) else int(np.prod(shape))
+
+
+def executor_factory(model, *, numerics: str = "full", policy=None, block_size: int = 32):
+    """For `tt_backend.generator.initialize_vllm_model(mesh_device=EmulatedMesh((rows, cols)),
+    tt_data_parallel=dp, executor_factory=...)`: every submesh runs tensor parallel over its own n/dp devices
+    (a (1, n/dp) mesh, as tt-metal reshapes submeshes)."""
+
+    def make(config, submesh, max_batch_size, max_seq_len, optimizations="performance"):
+        check_decode_batch(max_batch_size)
+        pol = policy or (optimizations if isinstance(optimizations, str) else "performance")
+        return MeshVLLMExecutor(first_layers(model, config), (1, _devices(submesh)), numerics=numerics, policy=pol,
+                                max_seq_len=max_seq_len, block_size=block_size)
+
+    return make
+
+
+def data_parallel(model, mesh, data_parallel: int, **kw) -> list[MeshExecutor]:
+    """One TP executor per data-parallel submesh of `mesh` (`tt_backend.mesh.submesh_shapes`); each serves its
+    own users with its own caches."""
+    return [MeshExecutor(model, shape, **kw) for shape in tp.submesh_shapes(mesh, data_parallel)]
