@@ -128,12 +128,6 @@ def linear(env, input_tensor_a, input_tensor_b, *, bias=None, dtype=None, comput
     return y + bias.reshape(-1) if bias is not None else y
 
 
-@op("ttnn.matmul")
-def ttnn_matmul(env, input_tensor_a, input_tensor_b, *, dtype=None, compute_kernel_config=None,
-                memory_config=None, program_config=None):
-    return linear(env, input_tensor_a, input_tensor_b, compute_kernel_config=compute_kernel_config)
-
-
 _UNARY = {
     "ttnn.UnaryOpType.SILU": lambda x: x / (F32(1) + np.exp(-x)),
     "ttnn.UnaryOpType.GELU": lambda x: F32(0.5) * x * (F32(1) + _erf(x / np.sqrt(F32(2)))),
@@ -403,3 +397,96 @@ def ttnn_sum(env, input_tensor, *, dim, keepdim=False, memory_config=None, compu
 @op("ttnn.div")
 def div(env, input_tensor_a, input_tensor_b_tensor=None, *, input_tensor_b=None, memory_config=None):
     return input_tensor_a.astype(F32) / _binary(input_tensor_a, input_tensor_b_tensor, input_tensor_b)
+
+
+# ----------------------------------------------------------------------- DeepSeek (tt_backend.deepseek_lowering)
+@op("ttnn.permute")
+def permute(env, input_tensor, *, dims, memory_config=None, pad_value=None):
+    return np.transpose(input_tensor, dims)
+
+
+@op("ttnn.repeat")
+def repeat(env, input_tensor, *, repeat_dims, memory_config=None):
+    return np.tile(input_tensor, repeat_dims)
+
+
+@op("ttnn.concat")
+def concat(env, *, tensors, dim=0, memory_config=None):
+    return np.concatenate([np.asarray(t, F32) for t in tensors], axis=dim)
+
+
+@op("ttnn.to_layout")
+def to_layout(env, tensor, *, layout, dtype=None, memory_config=None):
+    return tensor
+
+
+@op("ttnn.relu")
+def relu(env, input_tensor, *, memory_config=None):
+    return np.maximum(input_tensor.astype(F32), F32(0))
+
+
+@op("ttnn.sqrt")
+def sqrt(env, input_tensor, *, memory_config=None, fast_and_approximate_mode=False):
+    return np.sqrt(input_tensor.astype(F32))
+
+
+@op("ttnn.abs")
+def ttnn_abs(env, input_tensor, *, memory_config=None):
+    return np.abs(input_tensor.astype(F32))
+
+
+@op("ttnn.sign")
+def sign(env, input_tensor, *, memory_config=None):
+    return np.sign(input_tensor.astype(F32))
+
+
+@op("ttnn.softplus")
+def softplus(env, input_tensor, *, beta=1.0, threshold=20.0, memory_config=None):
+    """log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (torch's rule, which ttnn follows)."""
+    x = input_tensor.astype(F32)
+    bx = x * F32(beta)
+    return np.where(bx > threshold, x, np.logaddexp(bx, F32(0)) / F32(beta)).astype(F32)
+
+
+@op("ttnn.sub")
+def sub(env, input_tensor_a, input_tensor_b_tensor=None, *, input_tensor_b=None, dtype=None, memory_config=None):
+    return input_tensor_a.astype(F32) - _binary(input_tensor_a, input_tensor_b_tensor, input_tensor_b)
+
+
+@op("ttnn.max")
+def ttnn_max(env, input_tensor, *, dim, keepdim=False, memory_config=None, compute_kernel_config=None):
+    return input_tensor.astype(F32).max(axis=dim, keepdims=keepdim)
+
+
+@op("ttnn.matmul")
+def batched_matmul(env, input_tensor_a, input_tensor_b, *, transpose_a=False, transpose_b=False, dtype=None,
+                   compute_kernel_config=None, memory_config=None, program_config=None):
+    """a @ b with broadcast batch dims (a [1, 1, K, N] weight or a batched b), optional transposes of the last two."""
+    a = np.swapaxes(input_tensor_a, -1, -2) if transpose_a else input_tensor_a
+    b = np.swapaxes(input_tensor_b, -1, -2) if transpose_b else input_tensor_b
+    return matmul(np.ascontiguousarray(a), np.ascontiguousarray(b), env.level, compute_kernel_config)
+
+
+@op("ttnn.sparse_matmul")
+def sparse_matmul(env, input_tensor_a, input_tensor_b, *, sparsity, program_config=None, nnz=None,
+                  is_input_a_sparse=False, is_input_b_sparse=True, dtype=None, compute_kernel_config=None,
+                  memory_config=None, output_tile=None):
+    """Expert matmuls computed only where `sparsity` is nonzero (zeros elsewhere), as the op skips them.
+
+    b sparse (gate/up): a [A, B, M, K], b [1, E, K, N], sparsity [A, B, 1, E] -> [A, B, 1, E, M, N].
+    a sparse (down):    a [A, E, M, K], b [1, E, K, N], sparsity [1, 1, A, E] -> [A, E, M, N]."""
+    a, b, sp = np.asarray(input_tensor_a, F32), np.asarray(input_tensor_b, F32), np.asarray(sparsity)
+    E = b.shape[1]
+    if is_input_b_sparse and not is_input_a_sparse:
+        A, B, M, _ = a.shape
+        out = np.zeros((A, B, 1, E, M, b.shape[-1]), F32)
+        for i, j, e in zip(*np.nonzero(sp[:, :, 0, :])):
+            out[i, j, 0, e] = matmul(a[i, j], b[0, e], env.level, compute_kernel_config)
+        return out
+    if is_input_a_sparse and not is_input_b_sparse:
+        A, _, M, _ = a.shape
+        out = np.zeros((A, E, M, b.shape[-1]), F32)
+        for i, e in zip(*np.nonzero(sp[0, 0])):
+            out[i, e] = matmul(a[i, e], b[0, e], env.level, compute_kernel_config)
+        return out
+    raise NotImplementedError("sparse_matmul: exactly one of is_input_a_sparse / is_input_b_sparse is emulated")
