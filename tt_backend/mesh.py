@@ -53,7 +53,7 @@ from tt_backend.lowering import TILE, TTConstraintError, check_program
 from tt_backend.program import Ref, TTCall, TTModelProgram, TTProgram, TTTensorSpec
 
 __all__ = ["MeshShardError", "Placement", "WEIGHT_RULES", "mesh_shape", "shard", "shard_program", "distribute",
-           "host_tensor", "submesh_shapes", "CCL_OPS"]
+           "host_tensor", "submesh_shapes", "ttnn_mapper", "ttnn_composer", "CCL_OPS"]
 
 CCL_OPS = ("ttnn.all_gather", "ttnn.reduce_scatter", "ttnn.mesh_partition")
 TOPOLOGY = "ttnn.Topology.Linear"  # tt_transformers' default for N300/T3K CCLs
@@ -168,6 +168,20 @@ def distribute(a: np.ndarray, spec: dict) -> list[np.ndarray]:
     return np.split(a, shape[0] * shape[1], axis=dim)
 
 
+def ttnn_mapper(ttnn, mesh_device, spec: dict):
+    """The wheel's mapper object for `spec`, for `ttnn.as_tensor(host_tensor(...), ..., mesh_mapper=...)` on a real
+    mesh (`tt_backend.ttnn_exec` does not load mesh programs yet)."""
+    if spec["mesh_mapper"] == "ttnn.ReplicateTensorToMesh":
+        return ttnn.ReplicateTensorToMesh(mesh_device)
+    return ttnn.ShardTensor2dMesh(mesh_device, dims=tuple(spec["dims"]), mesh_shape=tuple(spec["mesh_shape"]))
+
+
+def ttnn_composer(ttnn, mesh_device, spec: dict):
+    """`ttnn.to_torch(logits, mesh_composer=...)` for a program's `meta["mesh"]["output"]` (then keep the first
+    `logical_width` columns when it is given)."""
+    return ttnn.ConcatMeshToTensor(mesh_device, dim=spec["dim"])
+
+
 # ------------------------------------------------------------------------------------- the transform
 def shard(program: TTModelProgram, mesh) -> TTModelProgram:
     """Both programs of a model over a 1-D mesh (see the module doc)."""
@@ -224,6 +238,7 @@ class _Sharder:
         self.made: dict[tuple[str, Placement], str] = {}  # CCL results already emitted, reused
         self.mappers: dict[str, dict] = {}
         self.alias: dict[str, str] = {}  # dropped expert tails -> the last kept expert's sum
+        self.logits = False  # set once the LM head has run: later [.., V] tensors are padded logits
 
     # ------------------------------------------------------------------------------------ checks
     def _dims(self):
@@ -239,7 +254,8 @@ class _Sharder:
         D = t["final_norm"].shape[-1]
         if D % (TILE * n):
             raise MeshShardError(f"tensor parallelism over {n} devices: hidden_size={D} is not a multiple of "
-                                 f"{TILE * n} (the fractured residual keeps D/{n} = whole {TILE}-wide tiles per device)")
+                                 f"{TILE * n} (the fractured residual keeps D/{n} = whole {TILE}-wide tiles on each "
+                                 f"device)")
         for name, s in t.items():
             if s.kind == "weight" and re.search(r"^layers\.\d+\.w1$", name) and s.shape[-1] % (TILE * n):
                 raise MeshShardError(f"tensor parallelism over {n} devices: {name} intermediate size {s.shape[-1]} "
@@ -324,7 +340,8 @@ class _Sharder:
             return self.made[(name, want)]
         full = self.full[name]
         last = len(full) - 1
-        ccl = {"cluster_axis": self.axis, "num_links": 1, "topology": TOPOLOGY, "memory_config": self.tensors[name].memory}
+        ccl = {"cluster_axis": self.axis, "num_links": 1, "topology": TOPOLOGY,
+               "memory_config": self.tensors[name].memory}
         if have in (P, E) and want in (S(last), R):  # tt_all_reduce on a 1-D mesh: reduce_scatter
             out = f"{name}.rs"
             self._emit("ttnn.reduce_scatter", name, {"dim": last, **ccl}, out, S(last), full)
@@ -374,8 +391,6 @@ class _Sharder:
             full = full[:-1] + (self.padded_vocab,)
         self._set(old, plc, full, self.prog.tensors[old])
         return self.tensors[old].shape
-
-    logits = False  # set once the LM head has run: later [.., V] tensors are padded logits
 
     def _call(self, c: TTCall):
         op, n = c.op, self.n

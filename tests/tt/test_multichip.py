@@ -16,13 +16,12 @@ import pytest
 
 import jaxmodels as jm
 from jaxmodels import families, plan
-from jaxmodels.config import MLPSpec
 from tests.tt.test_emu_ops import comp_pcc
 from tests.tt.test_tt_forward import BASE, TINY, TINY_MOE
-from tt_backend import api, generator as G
+from tt_backend import api, generator as G, paged_cache as pc
 from tt_backend import mesh as tp
-from tt_backend.emu.executor import Executor
-from tt_backend.emu.mesh import MeshExecutor, data_parallel, executor_factory
+from tt_backend.emu.executor import Executor, VLLMExecutor
+from tt_backend.emu.mesh import MeshExecutor, MeshVLLMExecutor, data_parallel, executor_factory
 from tt_backend.lowering import TTConstraintError, lower
 from tt_backend.program import TTModelProgram
 from tt_backend.weights import POLICIES
@@ -290,3 +289,63 @@ def test_one_device_mesh_is_the_program_itself():
     one = tp.shard(prog, 1)
     assert one.decode.calls == prog.decode.calls and one.decode.meta["mesh"]["mappers"] == {}
     json.loads(one.to_json())
+
+
+def test_mappers_build_the_wheels_objects():
+    """ttnn_mapper / ttnn_composer call the wheel's classes with the arguments they take."""
+    calls = []
+
+    class Fake:
+        def __getattr__(self, name):
+            def make(*args, **kw):
+                api.check_call(f"ttnn.{name}", list(kw), n_positional=len(args))
+                calls.append((name, kw))
+                return name
+            return make
+
+    prog = tp.shard(lower(config("llama", 2), prefill_len=128, batch=1, max_seq_len=256), 2).prefill
+    maps = prog.meta["mesh"]["mappers"]
+    assert tp.ttnn_mapper(Fake(), "mesh", maps["layers.0.wo"]) == "ShardTensor2dMesh"
+    assert tp.ttnn_mapper(Fake(), "mesh", maps["final_norm"]) == "ReplicateTensorToMesh"
+    assert tp.ttnn_composer(Fake(), "mesh", prog.meta["mesh"]["output"]) == "ConcatMeshToTensor"
+    assert calls[0] == ("ShardTensor2dMesh", {"dims": (None, 2), "mesh_shape": (1, 2)})
+
+
+def test_rings_chunks_and_per_layer_tables_on_a_mesh():
+    """vLLM executor paths on 2 devices == one device: Gemma3's sliding layer in a 96-token ring with per-layer
+    page tables decoding past the ring; Llama's prompt prefilled in two chunks (the second reads the first
+    through the cache)."""
+    m = model(config("gemma3", 2))
+    T, steps = 100, 30
+    tokens = np.random.default_rng(10).integers(0, 256, T + steps)
+    tables = [np.array([[9, 4, 12]], np.int32), np.array([[0, 1, 2, 3, 5, 6, 7, 8]], np.int32)]
+    modulo = [96, None]
+    outs = []
+    for ex in (VLLMExecutor(m, numerics="exact", max_seq_len=256), MeshVLLMExecutor(m, 2, numerics="exact",
+                                                                                    max_seq_len=256)):
+        kv = ex.executor.allocate_kv_cache(16)
+        full_row = pc.prefill_page_table(tables[1][0], T, 128, 32)
+        got = [ex.prefill(tokens[None, :T], chunk_start=0, last_token_idx=T - 1, valid_seq_len=T,
+                          page_tables=[tables[0], full_row], chunk_page_tables=None, kv_cache=kv,
+                          cache_position_modulo=modulo, owners=None)]
+        for p in range(T, T + steps):
+            got.append(ex.decode(tokens[p:p + 1], np.array([p]), page_tables=tables, kv_cache=kv,
+                                 cache_position_modulo=modulo, owners=None)[0])
+        outs.append(np.stack(got))
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=0)
+
+    m = model(config("llama", 2))
+    tokens = np.random.default_rng(11).integers(0, 256, 160)
+    row = np.array([[3, 0, 5, 1, 4, 2, 6, 7]], np.int32)
+    outs = []
+    for ex in (VLLMExecutor(m, numerics="exact", max_seq_len=256), MeshVLLMExecutor(m, 2, numerics="exact",
+                                                                                    max_seq_len=256)):
+        kv = ex.executor.allocate_kv_cache(8)
+        ex.prefill(tokens[None, :128], chunk_start=0, last_token_idx=127, valid_seq_len=128, page_tables=[row] * 2,
+                   chunk_page_tables=[row[:, :4]] * 2, kv_cache=kv, cache_position_modulo=[None] * 2, owners=None)
+        outs.append(ex.prefill(tokens[None, 128:], chunk_start=128, last_token_idx=31, valid_seq_len=160,
+                               page_tables=[row] * 2, chunk_page_tables=[row[:, 4:8]] * 2, kv_cache=kv,
+                               cache_position_modulo=[None] * 2, owners=None))
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=0)
+    ref = np.asarray(jm.forward(m, tokens[None]))[0, -1]
+    np.testing.assert_allclose(outs[0], ref, atol=3e-5, rtol=0)
