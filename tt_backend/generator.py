@@ -16,8 +16,9 @@ vllm-tt-plugin decode reload contract (``docs/DECODE_RELOAD_CONTRACT.md``):
 * ``model_capabilities``, ``decode_input_update_contract = 1``, ``get_max_tokens_all_users``.
 
 What runs a forward pass is an `Executor` (one per submesh, all sharing one set of weights). The default,
-`EmulatorExecutor`, runs the NumPy emulation of the lowered TT program (``tt_backend.Executor``); tests also
-use a JAX reference. Executors read and write the paged caches through `tt_backend.paged_cache`; the
+``tt_backend.VLLMExecutor``, runs the NumPy emulation of the lowered TT program with everything the generator
+hands it: per-layer page tables, sliding rings (``cache_position_modulo``), chunked prefill and prefill from a
+cached prefix (``start_pos``); tests also use a JAX reference. Executors read and write the paged caches through `tt_backend.paged_cache`; the
 generator owns page-table construction, chunking, DP splitting, reload commands and trace bookkeeping.
 Cache buffers are host NumPy arrays (float32 unless a NumPy dtype is asked for); the emulator rounds what it
 writes to its precision policy's KV dtype (bfloat8_b by default), as the device would store it.
@@ -33,8 +34,9 @@ without a tower; ``model_capabilities`` of the ``*ForConditionalGeneration`` cla
 Not done (raise rather than run something else): non-greedy device sampling and penalties
 (``prompt_tokens``/``output_tokens`` are accepted and unused), prefill traces, hidden-state returns,
 asynchronous readback (``read_from_device=False`` returns a handle that `read_decode_output` resolves, but
-nothing overlaps), Mllama's cross-attention, images with a cached prefix; the emulator additionally lacks
-chunked prefill, prefix caching, per-layer page tables and rings (see `EmulatorExecutor`).
+nothing overlaps), Mllama's cross-attention, images with a cached prefix, and prefix caching or chunked
+prefill into sliding rings (the lowering refuses it, as tt-metal; with ``hybrid_kv_cache_groups=False``, the
+default, sliding layers keep full-length caches and both work).
 
 Deliberate differences from tt-metal (each guards a silent-corruption path it has):
 * A user's prefill page table holds only the blocks that cover its prompt; the padded tail's entries
@@ -58,6 +60,8 @@ import numpy as np
 
 from jaxmodels.config import ModelConfig
 from tt_backend import paged_cache as pc
+from tt_backend.emu.executor import VLLMExecutor, executor_factory as emulator_factory
+from tt_backend.lowering import padded_prefill_len
 
 FALLBACK_MAX_TOKENS_ALL_USERS = 131_072  # tt-metal's ModelCapabilitiesMixin fallback
 MIN_PREFILL_CHUNK = 128  # chunked SDPA / prefill lengths are multiples of 128
@@ -133,10 +137,10 @@ def sliding_ring_capacity(window: int, block_size: int) -> int:
 
 
 def get_padded_prefill_len(seq_len: int) -> int:
-    """At least 128, else the smaller of the next power of two and the next multiple of 1024 (tt_transformers)."""
-    if seq_len <= 128:
-        return 128
-    return min(1 << (seq_len - 1).bit_length(), -(-seq_len // 1024) * 1024)
+    """The padded length of a prefill: the lowering's rule (`lowering.padded_prefill_len`, the next multiple of
+    128), so the generator chunks exactly the programs the lowering builds. (tt_transformers pads further, to the
+    smaller of the next power of two and the next multiple of 1024, to reuse fewer prefill traces.)"""
+    return padded_prefill_len(seq_len)
 
 
 def get_max_prefill_chunk_size(seq_len: int, max_prefill_chunk_size: int) -> int:
@@ -231,10 +235,9 @@ class Generator:
     """Data-parallel replicas over paged KV caches; the vLLM entry points live here and in subclasses."""
 
     decode_input_update_contract = 1
-    # vLLM reads this off the class. start_pos (prefix caching) works in the generator, but the default
-    # executor (the emulated TT program) cannot prefill from a cached prefix yet, so it is not advertised.
-    # No supports_async_decode / supports_sample_on_device: only greedy argmax runs "on device".
-    model_capabilities: dict = {"supports_prefix_caching": False}
+    # vLLM reads this off the class. No supports_async_decode / supports_sample_on_device: only greedy argmax
+    # runs "on device".
+    model_capabilities: dict = {"supports_prefix_caching": True}
     _HYBRID_KV_CACHE_GROUPS_ENABLED = False
     prefill_page_table_mode = "safe"  # "tt": tt-metal's per-user page table (pad tail through the vLLM row)
 
@@ -269,9 +272,9 @@ class Generator:
                               **kwargs):
         """One executor per data-parallel submesh, each for ``max_batch_size // tt_data_parallel`` users.
 
-        By default each submesh runs the NumPy emulator of the lowered TT program (`EmulatorExecutor`) on
-        `model` (a ``jaxmodels.Model``; loaded from ``hf_config["_name_or_path"]`` when not given), at
-        `numerics` and the precision policy `optimizations`. executor_factory(config, submesh,
+        By default each submesh runs the NumPy emulator of the lowered TT program (``tt_backend.VLLMExecutor``)
+        on `model` (a ``jaxmodels.Model``, cut to its first `n_layers`; loaded from ``hf_config["_name_or_path"]``
+        when not given), at `numerics` and the precision policy `optimizations`. executor_factory(config, submesh,
         max_batch_size, max_seq_len, optimizations) -> Executor replaces it (tests, other backends).
         A `model` with a vision tower (given, or loaded) also gives the generator its host-side tower
         (`tt_backend.multimodal.VisionTower`) for multimodal prefill.
@@ -287,11 +290,8 @@ class Generator:
                 import jaxmodels as jm
 
                 model = jm.load(path)
-            if n_layers is not None and n_layers != model.config.num_layers:
-                raise ValueError(f"n_layers={n_layers} needs a checkpoint of that depth for the emulator "
-                                 f"(the model has {model.config.num_layers} layers)")
             executor_factory = emulator_factory(model, numerics=numerics, block_size=block_size)
-            cfg = model.config
+            cfg = _model_config(model.config, n_layers)
         else:
             cfg = _model_config(hf_config, n_layers)
         mesh = mesh_device if isinstance(mesh_device, EmulatedMesh) else EmulatedMesh((1, int(mesh_device or 1)))
@@ -775,63 +775,19 @@ def _np_dtype(dtype):
         return np.float32
 
 
-# ------------------------------------------------------------------------- emulator adapter
-class EmulatorExecutor:
-    """`Executor` over ``tt_backend.emu.executor.Executor`` (the NumPy emulation of the lowered TT program).
-
-    What that executor runs today bounds what this adapter accepts; the rest raises NotImplementedError
-    rather than running something else: whole prompts from position 0 (no chunked prefill or prefix
-    caching), one page table shared by all layers (its programs read a single ``page_table``), and
-    full-length caches for sliding layers (no rings). It builds its own prefill page table (the prompt's
-    blocks, -1 past them), so ``prefill_page_table_mode = "tt"`` has no effect through it.
-    """
-
-    def __init__(self, emu):
-        self.emu, self.config = emu, emu.config
-
-    @staticmethod
-    def _one_table(page_tables, modulo) -> np.ndarray:
-        if any(modulo):
-            raise NotImplementedError("the emulated TT program has no sliding rings (cache_position_modulo); "
-                                      "use hybrid_kv_cache_groups=False")
-        first = page_tables[0]
-        if any(t is not first and not np.array_equal(t, first) for t in page_tables[1:]):
-            raise NotImplementedError("the emulated TT program reads one page_table for all layers; per-layer "
-                                      "page tables that differ are not supported yet")
-        return first
-
-    def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
-                kv_cache, cache_position_modulo, owners, embeddings=None, image_blocks=None):
-        if chunk_start or chunk_page_tables is not None:
-            raise NotImplementedError("the emulated TT program prefills whole prompts from position 0 (no chunked "
-                                      "prefill or prefix caching yet)")
-        row = self._one_table(page_tables, cache_position_modulo)[0]
-        cut = lambda a: None if a is None else np.asarray(a)[:valid_seq_len]  # noqa: E731
-        return self.emu.prefill(np.asarray(tokens)[0, :valid_seq_len], row, kv_cache, owners=owners,
-                                embeddings=cut(embeddings), image_blocks=cut(image_blocks))[last_token_idx]
-
-    def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners):
-        pt = self._one_table(page_tables, cache_position_modulo)
-        return self.emu.decode(tokens, positions, pt, kv_cache, owners=owners)
-
-
-def emulator_factory(model, *, numerics: str = "full", block_size: int = 32):
-    """executor_factory for `initialize_vllm_model`: the emulator on `model`, the same weights on every submesh."""
-
-    def make(cfg, submesh, max_batch_size, max_seq_len, optimizations):
-        from tt_backend.emu.executor import Executor as EmuExecutor
-
-        return EmulatorExecutor(EmuExecutor(model, numerics=numerics, policy=optimizations or "performance",
-                                            max_seq_len=max_seq_len, block_size=block_size))
-
-    return make
+# ------------------------------------------------------------------------- executors
+def EmulatorExecutor(emu) -> VLLMExecutor:  # noqa: N802 (the older class name, kept for callers)
+    """The default executor over an emulator already built: ``VLLMExecutor.wrap(emu)``."""
+    return VLLMExecutor.wrap(emu)
 
 
 # --------------------------------------------------------------------------- model classes
 class HybridAttentionForCausalLM(Generator):
-    """Mixed sliding/full attention (Gemma3, EXAONE 4.5, GPT-OSS): per-layer page tables, no prefix caching."""
+    """Mixed sliding/full attention (Gemma3, EXAONE 4.5, GPT-OSS): per-layer page tables, sliding rings with
+    ``hybrid_kv_cache_groups=True``. Prefix caching is not advertised (as tt-metal): a ring cannot be continued
+    from a cached prefix. Without rings (the default) ``start_pos`` still works through the generator."""
 
-    model_capabilities = {"supports_prefix_caching": False}  # sliding window: no prefix caching (as tt-metal)
+    model_capabilities = {"supports_prefix_caching": False}
 
 
 class LlamaForCausalLM(Generator):

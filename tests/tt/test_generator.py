@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxmodels import families, model as M, plan
-from tt_backend import generator as G, paged_cache as pc
+from tt_backend import VLLMExecutor, generator as G, paged_cache as pc
 
 BS = 32
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
@@ -309,10 +309,10 @@ def test_chunked_prefill_page_tables_stop_at_the_prompt():
     gen.prefill_forward(np.zeros((1, 300), np.int32), page_table=np.stack([row, row])[:1], kv_cache=kv,
                         prompt_lens=[300], empty_slots=[1])
     calls = [c for c in ex.calls if c[0] == "prefill"]
-    assert len(calls) == 3  # 300 pads to 512 = 4 chunks of 128; the 4th holds only padding and is not run
+    assert len(calls) == 3  # 300 pads to 384 (the lowering's rule) = 3 chunks of 128
     user = calls[0][2]["page_tables"][0]
     np.testing.assert_array_equal(user[0, :10], row[:10])  # ceil(300 / 32) = 10 blocks of the prompt
-    assert (user[0, 10:] == -1).all() and user.shape == (1, 16)
+    assert (user[0, 10:] == -1).all() and user.shape == (1, 12)
     for c, (_, toks, kw) in enumerate(calls):
         assert kw["chunk_start"] == 128 * c and toks.shape == (1, 128)
         np.testing.assert_array_equal(kw["chunk_page_tables"][0], user[:, 4 * c:4 * c + 4])
@@ -570,8 +570,10 @@ def test_initialize_capabilities_and_token_budgets():
     with pytest.raises(ValueError, match="3 data-parallel submeshes"):
         G.create_submeshes(G.EmulatedMesh((1, 4)), 3)
     assert G.LlamaForCausalLM.decode_input_update_contract == 1
-    # the emulated TT program cannot prefill from a cached prefix yet, and sliding models never advertise it
-    for cls in (G.LlamaForCausalLM, G.QwenForCausalLM, G.Gemma3ForCausalLM, G.GptOssForCausalLM):
+    # the emulated TT program prefills from a cached prefix; sliding models do not advertise it (rings cannot)
+    for cls in (G.LlamaForCausalLM, G.QwenForCausalLM):
+        assert cls.model_capabilities["supports_prefix_caching"] is True
+    for cls in (G.Gemma3ForCausalLM, G.GptOssForCausalLM):
         assert cls.model_capabilities["supports_prefix_caching"] is False
     for caps in (G.LlamaForCausalLM.model_capabilities, G.GptOssForCausalLM.model_capabilities):
         assert not caps.get("supports_async_decode") and not caps.get("supports_sample_on_device")
@@ -583,8 +585,14 @@ def test_initialize_capabilities_and_token_budgets():
 
 
 def test_padded_prefill_lengths():
-    assert [G.get_padded_prefill_len(n) for n in (1, 128, 129, 300, 1024, 1025, 3000)] == \
-        [128, 128, 256, 512, 1024, 2048, 3072]
+    """One rule: the generator pads prompts exactly as the lowering builds its prefill programs."""
+    from tt_backend.lowering import TTConstraintError, padded_prefill_len
+
+    lens = (1, 128, 129, 300, 1024, 1025, 3000, 4100)
+    assert [G.get_padded_prefill_len(n) for n in lens] == [128, 128, 256, 384, 1024, 1152, 3072, 4224]
+    assert [G.get_padded_prefill_len(n) for n in lens] == [padded_prefill_len(n) for n in lens]
+    with pytest.raises(TTConstraintError, match="at least one token"):
+        G.get_padded_prefill_len(0)
     assert G.get_max_prefill_chunk_size(512, 128) == 128
     assert G.get_max_prefill_chunk_size(384, 256) == 128  # 256 does not divide 384
     assert G.get_max_prefill_chunk_size(100, 128) == 100
@@ -600,14 +608,15 @@ LLAMA32 = {**LLAMA, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_
 
 def test_emulated_tt_program_through_the_generator():
     """The default executor (the NumPy emulation of the lowered TT program, exact numerics) behind two DP
-    submeshes: prefill and decode logits equal jm.forward; what it cannot run yet is refused."""
+    submeshes: prefill and decode logits equal jm.forward (tests/tt/test_generator_paged.py: per-layer tables,
+    rings, prefix caching)."""
     import jaxmodels as jm
 
     cfg = families.config_from_hf(LLAMA32)
     params = _params(cfg, 7)
     gen = G.LlamaForCausalLM.initialize_vllm_model(LLAMA32, G.EmulatedMesh((1, 2)), 4, 256, tt_data_parallel=2,
                                                    model=jm.Model(cfg, params), numerics="exact")
-    assert all(isinstance(m, G.EmulatorExecutor) for m in gen.model)
+    assert all(isinstance(m, VLLMExecutor) for m in gen.model)
     kv = gen.allocate_kv_cache((16, 1, BS, 32), np.float32, 2)
     allocs = [pc.BlockAllocator(16, order=np.random.default_rng(8 + s).permutation(16)) for s in range(2)]
     reqs = ["p", "q", "r", "s"]
@@ -629,11 +638,8 @@ def test_emulated_tt_program_through_the_generator():
         out = gen.decode_forward(np.array([seqs[s][pos[s]] for s in range(4)]), pos, page_table=pt, kv_cache=kv)
         for s in range(4):
             np.testing.assert_allclose(out[s, 0], refs[s][pos[s]], rtol=1e-4, atol=1e-4)
-    with pytest.raises(NotImplementedError, match="prefix caching"):
-        gen.prefill_forward(tokens[:1], page_table=pt[:1], kv_cache=kv, prompt_lens=[50], start_pos=[32])
-    with pytest.raises(NotImplementedError, match="one page_table for all layers"):
-        gen.decode_forward(np.zeros(4, np.int32), pos + 1, kv_cache=kv, page_tables_per_layer=[pt, pt[::-1]],
-                           enable_trace=False)
+    # the older name wraps an emulator already built into the same executor
+    assert isinstance(G.EmulatorExecutor(gen.model[0].executor), VLLMExecutor)
 
 
 def test_layers_sharing_a_buffer_must_not_share_blocks():

@@ -56,7 +56,7 @@ import numpy as np
 from tt_backend import paged_cache, precision
 from tt_backend.emu import numerics
 from tt_backend.emu.ops import OPS, Env
-from tt_backend.lowering import attention_masks, check_decode_batch, lower, padded_prefill_len
+from tt_backend.lowering import PREFILL_MULTIPLE, attention_masks, check_decode_batch, lower, padded_prefill_len
 from tt_backend.program import Ref, TTProgram
 from tt_backend.weights import policy as get_policy, prepare
 
@@ -82,6 +82,7 @@ class Executor:
             want = tuple(s.shape)
             if host[n].shape != want:
                 raise ValueError(f"weight {n}: prepared shape {host[n].shape} != program shape {want}")
+        self.weight_specs = specs  # what a device executor loads
         # weights are converted once on the host (ttnn.as_tensor): host packing at every level but exact
         self.weights = {n: self._store(v, specs[n].dtype, "host") for n, v in host.items()}
         self.kv_dtype = "ttnn.float32" if self.level == "exact" else self.policy.kv_cache
@@ -146,6 +147,13 @@ class Executor:
 
     def _prefill(self, tokens, chunk_start, page_tables, chunk_page_tables, modulo, valid_len, kv_cache, owners,
                  embeddings=None, image_blocks=None):
+        prog, inputs = self.prefill_inputs(tokens, chunk_start, page_tables, chunk_page_tables, modulo, valid_len,
+                                           embeddings, image_blocks)
+        return self.run(prog, inputs, kv_cache, owners), prog
+
+    def prefill_inputs(self, tokens, chunk_start, page_tables, chunk_page_tables, modulo, valid_len,
+                       embeddings=None, image_blocks=None) -> tuple[TTProgram, dict]:
+        """The prefill program for `tokens` [T] from `chunk_start` and its host inputs (any executor runs them)."""
         T = tokens.shape[0]
         S = padded_prefill_len(T)
         if chunk_start + S > self.max_seq_len:
@@ -177,11 +185,17 @@ class Executor:
             inputs |= _tables("chunk_page_table", chunk_page_tables, per_layer, self.config.num_layers)
         if "valid_seq_len" in prog.inputs:
             inputs["valid_seq_len"] = np.array([valid_len], np.int32)
-        return self.run(prog, inputs, kv_cache, owners), prog
+        return prog, inputs
 
     def decode(self, tokens, positions, page_table, kv_cache, *, owners=None, return_all: bool = False,
                cache_position_modulo: tuple | None = None):
         """One token per user -> logits [B, vocab]. `page_table`: [B, W], or a list with one per layer."""
+        prog, inputs = self.decode_inputs(tokens, positions, page_table, cache_position_modulo)
+        t = self.run(prog, inputs, kv_cache, owners)
+        return t if return_all else _logits(t, prog)
+
+    def decode_inputs(self, tokens, positions, page_table, cache_position_modulo=None) -> tuple[TTProgram, dict]:
+        """The decode program for len(tokens) users and its host inputs."""
         tokens, positions = np.asarray(tokens).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
         B = tokens.shape[0]
         check_decode_batch(B)
@@ -195,8 +209,7 @@ class Executor:
         inputs = {"tokens": tokens.astype(np.uint32)[None], "rope_pos": np.maximum(positions, 0).astype(np.uint32)[None],
                   "cur_pos": positions.astype(np.int32)}
         inputs |= _tables("page_table", tables, per_layer, self.config.num_layers)
-        t = self.run(prog, inputs, kv_cache, owners)
-        return t if return_all else _logits(t, prog)
+        return prog, inputs
 
 
 def _per_layer(tables) -> bool:
@@ -226,6 +239,13 @@ class VLLMExecutor:
                                  block_size=block_size)
         self.config = model.config
 
+    @classmethod
+    def wrap(cls, executor: Executor) -> "VLLMExecutor":
+        """Over an emulator already built (its weights, numerics, policy and limits)."""
+        self = cls.__new__(cls)
+        self.executor, self.config = executor, executor.config
+        return self
+
     @staticmethod
     def _modulo(cache_position_modulo):
         m = tuple(cache_position_modulo or ())
@@ -253,7 +273,9 @@ def executor_factory(model, *, numerics: str = "full", policy: str | None = None
     def make(config, submesh, max_batch_size, max_seq_len, optimizations="performance"):
         check_decode_batch(max_batch_size)
         pol = policy or (optimizations if isinstance(optimizations, str) else "performance")
-        return VLLMExecutor(first_layers(model, config), numerics=numerics, policy=pol, max_seq_len=max_seq_len,
+        # a prefill continuing a cached prefix pads up to 127 tokens past max_seq_len (whole 128-row programs)
+        room = -(-(max_seq_len + PREFILL_MULTIPLE - 1) // block_size) * block_size
+        return VLLMExecutor(first_layers(model, config), numerics=numerics, policy=pol, max_seq_len=room,
                             block_size=block_size)
 
     return make

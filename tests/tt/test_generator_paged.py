@@ -1,0 +1,204 @@
+"""The generator's default executor (the emulated TT program) against `jm.generate`, through paged caches.
+
+Every layer has its own page table over blocks handed out in a shuffled order, so a layer reading another
+layer's table, a ring slot off by one or a prefix block rewritten shows up as a different greedy token.
+Numerics are `exact` (float32 throughout), so the emulated program must pick jm.generate's tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import jaxmodels as jm
+from tests.tt.test_tt_forward import tiny_model
+from tt_backend import VLLMExecutor, generator as G, paged_cache as pc
+
+BS = 32
+GREEDY = SimpleNamespace(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: tiny_model(name, seed=3) for name in ("llama", "gemma3", "gpt_oss")}
+
+
+def _prompts(n_tokens, vocab, seed):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab, n)] for n in n_tokens]
+
+
+def _reference(model, prompts, new):
+    return [list(t) for t in jm.generate(model, prompts, max_new_tokens=new, ignore_eos=True).tokens]
+
+
+class Pool:
+    """One block-id space over every layer's buffer, handed out in a shuffled order; each layer gets its own
+    blocks (so its own page table) for each request. Ring layers get exactly their ring's blocks."""
+
+    def __init__(self, gen, num_blocks, seed):
+        self.gen, self.num_blocks = gen, num_blocks
+        cfg = gen.config
+        shape = (num_blocks, cfg.num_kv_heads, BS, cfg.head_dim)
+        self.kv = gen.allocate_kv_cache_per_layer([(shape, np.float32, i) for i in range(cfg.num_layers)])
+        self.alloc = pc.BlockAllocator(num_blocks, order=np.random.default_rng(seed).permutation(num_blocks))
+        self.rows = {}  # request -> per-layer logical block lists
+        self.width = gen.max_seq_len // BS
+
+    def add(self, request, tokens, shared=None):
+        """Blocks for `tokens` positions in every layer; `shared`: (request, n) reuses its first n blocks."""
+        rows = []
+        for layer, m in enumerate(self.gen.cache_position_modulo()):
+            need = m // BS if m else -(-tokens // BS)
+            have = list(self.rows[shared[0]][layer][:shared[1]]) if shared else []
+            rows.append(have + self.alloc.allocate(request, need - len(have)))
+        self.rows[request] = rows
+
+    def tables(self, requests):
+        """Per layer: int32 [len(requests), width], -1 past each request's blocks."""
+        out = []
+        for layer in range(self.gen.config.num_layers):
+            t = np.full((len(requests), self.width), -1, np.int32)
+            for r, req in enumerate(requests):
+                t[r, :len(self.rows[req][layer])] = self.rows[req][layer]
+            out.append(t)
+        return out
+
+
+def _serve(gen, pool, requests, prompts, new, start_pos=None):
+    """Prefill every prompt into its slot, then greedy decode with on-device sampling in steady state."""
+    gen.track_block_ownership([pool.alloc], requests)
+    tables = pool.tables(requests)
+    T = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), T), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    logits = gen.prefill_forward(tokens, kv_cache=pool.kv, prompt_lens=[len(p) for p in prompts],
+                                 page_tables_per_layer=tables, start_pos=start_pos)
+    out = [[int(t)] for t in logits[:, 0].argmax(-1)]
+    nxt = gen.decode_forward(np.array([o[0] for o in out]), np.array([len(p) for p in prompts]), kv_cache=pool.kv,
+                             page_tables_per_layer=tables, sampling_params=GREEDY)
+    for _ in range(new - 1):
+        for o, t in zip(out, nxt):
+            o.append(int(t))
+        if len(out[0]) == new:
+            break
+        nxt = gen.decode_forward(None, None, kv_cache=pool.kv, sampling_params=GREEDY, reload_inputs=False)
+    return out, logits[:, 0]
+
+
+def _generator(cls, model, batch, max_seq_len, **kw):
+    return cls.initialize_vllm_model(None, G.EmulatedMesh((1, 1)), batch, max_seq_len, model=model,
+                                     numerics="exact", **kw)
+
+
+# --------------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("name, cls", [("llama", G.LlamaForCausalLM), ("gemma3", G.Gemma3ForCausalLM),
+                                       ("gpt_oss", G.GptOssForCausalLM)])
+def test_generation_through_per_layer_page_tables_equals_jm_generate(models, name, cls):
+    """Two users, shuffled blocks, each layer its own page table, chunked prefill (200 tokens in 128-token
+    chunks); sliding layers keep full-length caches and apply their window of 48 on read."""
+    model = models[name]
+    gen = _generator(cls, model, 2, 256, max_prefill_chunk_size=128)
+    assert all(isinstance(m, VLLMExecutor) for m in gen.model)
+    prompts, new = _prompts([200, 37], model.config.vocab_size, seed=1), 12
+    pool = Pool(gen, 40, seed=2)
+    for r, p in zip("ab", prompts):
+        pool.add(r, len(p) + new)
+    got, _ = _serve(gen, pool, ["a", "b"], prompts, new)
+    assert got == _reference(model, prompts, new)
+
+
+@pytest.mark.parametrize("name, cls", [("gemma3", G.Gemma3ForCausalLM), ("gpt_oss", G.GptOssForCausalLM)])
+def test_sliding_rings_wrap_past_the_window(models, name, cls):
+    """Hybrid KV groups: each sliding layer keeps a ring of 96 tokens (window 48); prompts of 70 and 130
+    tokens (the 130-token prefill wraps its ring) decoded to position 180 (every ring wraps again)."""
+    model = models[name]
+    gen = _generator(cls, model, 2, 256, hybrid_kv_cache_groups=True)
+    modulo = gen.cache_position_modulo()
+    assert modulo == [96 if s.attention.window else None for s in model.config.layers] and any(modulo)
+    prompts, new = _prompts([130, 70], model.config.vocab_size, seed=4), 50
+    pool = Pool(gen, 40, seed=5)
+    for r, p in zip("ab", prompts):
+        pool.add(r, len(p) + new)
+    got, _ = _serve(gen, pool, ["a", "b"], prompts, new)
+    assert got == _reference(model, prompts, new)
+    with pytest.raises(NotImplementedError, match="sliding rings"):
+        gen.prefill_forward(np.array([prompts[0]]), kv_cache=pool.kv, prompt_lens=[130],
+                            page_tables_per_layer=[t[:1] for t in pool.tables(["a"])], start_pos=[64])
+
+
+@pytest.mark.parametrize("name, cls", [("llama", G.LlamaForCausalLM), ("gemma3", G.Gemma3ForCausalLM)])
+def test_prefix_cache_hit_gives_the_same_tokens(models, name, cls):
+    """Request b shares its first 96 tokens with a: its page tables start with a's 3 blocks (per layer) and
+    its prefill starts at position 96 (chunked SDPA over the cached prefix). b never writes a shared block
+    (ownership is checked on every write), its tokens equal jm.generate's and a cold prefill's."""
+    model = models[name]
+    prompt_a, tail = _prompts([150, 45], model.config.vocab_size, seed=6)
+    prompt_b, new = prompt_a[:96] + tail, 10
+    gen = _generator(cls, model, 2, 256)
+    pool = Pool(gen, 40, seed=7)
+    pool.add("a", len(prompt_a) + new)
+    pool.add("b", len(prompt_b) + new, shared=("a", 3))
+    gen.track_block_ownership([pool.alloc], ["a", "b"])
+    tables = pool.tables(["a", "b"])
+    gen.prefill_forward(np.array([prompt_a]), kv_cache=pool.kv, prompt_lens=[len(prompt_a)], empty_slots=[0],
+                        page_tables_per_layer=[t[:1] for t in tables])  # a fills the shared prefix
+    snapshot = [[a.copy() for a in layer] for layer in pool.kv[0]]
+    shared = [pool.rows["a"][layer][:3] for layer in range(model.config.num_layers)]
+    tables = [t[1:] for t in tables]
+    warm = gen.prefill_forward(np.array([prompt_b]), kv_cache=pool.kv, prompt_lens=[len(prompt_b)],
+                               empty_slots=[1], page_tables_per_layer=tables, start_pos=[96])
+    for layer, blocks in enumerate(shared):
+        for kv_i in range(2):
+            np.testing.assert_array_equal(pool.kv[0][layer][kv_i][blocks], snapshot[layer][kv_i][blocks])
+    cold_gen = _generator(cls, model, 1, 256)
+    cold_pool = Pool(cold_gen, 40, seed=8)
+    cold_pool.add("b", len(prompt_b) + new)
+    cold, cold_logits = _serve(cold_gen, cold_pool, ["b"], [prompt_b], new)
+    np.testing.assert_allclose(warm[0, 0], cold_logits[0], rtol=1e-5, atol=1e-5)
+    # continue b from the warm prefill: greedy decode in slot 1 (slot 0 inactive)
+    toks = [int(warm[0, 0].argmax())]
+    for t in range(new - 1):
+        pos = len(prompt_b) + t
+        out = gen.decode_forward(np.array([0, toks[-1]]), np.array([-1, pos]), kv_cache=pool.kv,
+                                 page_tables_per_layer=pool.tables(["a", "b"]), enable_trace=False)
+        toks.append(int(out[1, 0].argmax()))
+    assert toks == cold[0] == _reference(model, [prompt_b], new)[0]
+
+
+def test_vllm_surface_with_the_default_executor(models):
+    """What vLLM reads and calls: capabilities, n_layers (the first layers of the model), DP submeshes."""
+    model = models["llama"]
+    assert G.LlamaForCausalLM.model_capabilities["supports_prefix_caching"] is True
+    assert G.Gemma3ForCausalLM.model_capabilities["supports_prefix_caching"] is False
+    gen = G.LlamaForCausalLM.initialize_vllm_model(None, G.EmulatedMesh((1, 2)), 4, 256, n_layers=1,
+                                                   tt_data_parallel=2, model=model, numerics="exact")
+    assert gen.config.num_layers == 1 and len(gen.model) == 2
+    one = dataclasses.replace(model, config=gen.config,
+                              params={**model.params, "layers": {"0": _first(model.params["layers"]["0"])}})
+    prompts, new = _prompts([20, 50, 7, 33], model.config.vocab_size, seed=9), 4
+    kv = gen.allocate_kv_cache((12, 2, BS, 32), np.float32, 1)
+    allocs = [pc.BlockAllocator(12, order=np.random.default_rng(s).permutation(12)) for s in range(2)]
+    reqs = ["p", "q", "r", "s"]
+    gen.track_block_ownership(allocs, reqs)
+    for s, p in enumerate(prompts):
+        allocs[s // 2].ensure(reqs[s], len(p) + new, BS)
+    pt = np.concatenate([allocs[s // 2].page_table([reqs[s]], 8) for s in range(4)])
+    tokens = np.zeros((4, 50), np.int32)
+    for s, p in enumerate(prompts):
+        tokens[s, :len(p)] = p
+    nxt = gen.prefill_forward(tokens, page_table=pt, kv_cache=kv, prompt_lens=[len(p) for p in prompts])[:, 0]
+    got = [[int(t)] for t in nxt.argmax(-1)]
+    for t in range(new - 1):
+        out = gen.decode_forward(np.array([g[-1] for g in got]), np.array([len(p) + t for p in prompts]),
+                                 page_table=pt, kv_cache=kv)
+        for g, lg in zip(got, out[:, 0]):
+            g.append(int(lg.argmax()))
+    assert got == _reference(one, prompts, new)
+
+
+def _first(tree):
+    return {k: _first(v) for k, v in tree.items()} if isinstance(tree, dict) else tree[:1]
