@@ -18,7 +18,8 @@ vllm-tt-plugin decode reload contract (``docs/DECODE_RELOAD_CONTRACT.md``):
 What runs a forward pass is an `Executor` (one per submesh, all sharing one set of weights). The default,
 ``tt_backend.VLLMExecutor``, runs the NumPy emulation of the lowered TT program with everything the generator
 hands it: per-layer page tables, sliding rings (``cache_position_modulo``), chunked prefill and prefill from a
-cached prefix (``start_pos``); tests also use a JAX reference. Executors read and write the paged caches through `tt_backend.paged_cache`; the
+cached prefix (``start_pos``). `TTNNDeviceExecutor` runs the same programs on a Tenstorrent device through
+``tt_backend.ttnn_exec``; tests also use a JAX reference. Executors read and write the paged caches through `tt_backend.paged_cache`; the
 generator owns page-table construction, chunking, DP splitting, reload commands and trace bookkeeping.
 Cache buffers are host NumPy arrays (float32 unless a NumPy dtype is asked for); the emulator rounds what it
 writes to its precision policy's KV dtype (bfloat8_b by default), as the device would store it.
@@ -779,6 +780,54 @@ def _np_dtype(dtype):
 def EmulatorExecutor(emu) -> VLLMExecutor:  # noqa: N802 (the older class name, kept for callers)
     """The default executor over an emulator already built: ``VLLMExecutor.wrap(emu)``."""
     return VLLMExecutor.wrap(emu)
+
+
+class TTNNDeviceExecutor:
+    """`Executor` on a Tenstorrent device: the programs and host inputs the emulator builds (`programs`, a
+    ``tt_backend.Executor`` whose policy and limits they follow), run by `device` (a
+    ``tt_backend.ttnn_exec.TTNNExecutor``). Weights are loaded once. Each host KV buffer the generator
+    allocated names one device cache of its shape, zeroed on first use and kept on the device (the host arrays
+    are not updated). Block ownership is not checked on the device; the generator's shared-block check runs."""
+
+    def __init__(self, programs, device, params):
+        from tt_backend.weights import prepare
+
+        self.programs, self.device, self.config = programs, device, programs.config
+        host = prepare(self.config, params, programs.max_seq_len)
+        self.weights = device.load(host, programs.weight_specs)
+        self._caches: dict[int, tuple[np.ndarray, Any]] = {}  # id(host buffer) -> (buffer, device tensor)
+
+    def _run(self, prog, inputs: dict, kv_cache) -> np.ndarray:
+        tensors = dict(self.weights)
+        for i, pair in enumerate(kv_cache):
+            for host, kv in zip(pair, "kv"):
+                name = f"kv.{i}.{kv}"
+                if id(host) not in self._caches:  # keep `host` alive so its id is not reused
+                    self._caches[id(host)] = (host, self.device.to_device(np.zeros(host.shape, np.float32),
+                                                                          prog.tensors[name], name))
+                tensors[name] = self._caches[id(host)][1]
+        for name, x in inputs.items():  # page tables to the program's width: -1 past the generator's columns
+            want = prog.tensors[name].shape
+            if "page_table" in name and x.shape[1] != want[1]:
+                x = np.pad(x, ((0, 0), (0, max(0, want[1] - x.shape[1]))), constant_values=pc.SKIP)[:, :want[1]]
+            inputs[name] = x
+        out = self.device.run(prog, inputs, tensors)[prog.outputs[0]]
+        x = self.device.to_numpy(out)
+        return np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+
+    def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
+                kv_cache, cache_position_modulo, owners, embeddings=None, image_blocks=None):
+        modulo = VLLMExecutor._modulo(cache_position_modulo)
+        prog, inputs = self.programs.prefill_inputs(
+            np.asarray(tokens).reshape(-1), int(chunk_start), list(page_tables),
+            None if chunk_page_tables is None else list(chunk_page_tables), modulo, int(valid_seq_len),
+            embeddings, image_blocks)
+        return self._run(prog, inputs, kv_cache)[int(last_token_idx)]
+
+    def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners):
+        prog, inputs = self.programs.decode_inputs(tokens, positions, list(page_tables),
+                                                   VLLMExecutor._modulo(cache_position_modulo))
+        return self._run(prog, inputs, kv_cache)[:len(tokens)]
 
 
 # --------------------------------------------------------------------------- model classes
