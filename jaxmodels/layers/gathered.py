@@ -7,6 +7,12 @@ an 11.3 ms step, reading all 32 experts per layer), and XLA's gather of w[ids] m
 contraction) that reads its expert's slab in place: give it every layer's experts ([L * E, K, N], ids offset by
 the layer), since XLA copies a scanned layer's slice of the stack before a Triton call (18 of a 23.6 ms GPT-OSS
 step when it was given the slice). The XLA gather + einsum is the reference, run everywhere the kernel does not.
+
+Experts kept quantized ({"fp4": packed e2m1 [G, N, K/2], "scale": E8M0 [G, N, K/32]}, the [out, in] layout of
+`qdq.dequant_fp4`, also GPT-OSS's MXFP4; or {"fp8": e4m3 [G, N, K], "scale": E8M0 [G, N/B, K/B]}) are read as
+stored: the kernel decodes each block of the chosen slab in registers (e2m1 codes and E8M0 bytes bit for bit as
+`qdq`), so a step reads the quantized bytes only (FP4: ~0.28 of bf16). Their reference is `qdq.dequant` of the
+chosen experts, then the same einsum.
 """
 import functools
 
@@ -14,43 +20,59 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxmodels.layers import triton
+from jaxmodels.layers import qdq, triton
 
 F32 = jnp.float32
 HALF = (jnp.bfloat16, jnp.float16)
 TARGET_PROGRAMS = 528  # ~4 programs per SM of an H200
+FP4_BLOCK = 32  # values per E8M0 scale, 16 packed bytes
 
 
 def _tiles(x, w) -> bool:
+    if isinstance(w, dict):  # [G, N, ...] kept quantized: columns in blocks of 16 (and of the FP8 scale block)
+        N = w["fp4" if "fp4" in w else "fp8"].shape[1]
+        return x.ndim == 2 and N % 16 == 0 and ("fp4" in w or _fp8_block(w) is not None)
     return x.ndim == 2 and getattr(w, "ndim", 0) == 3 and w.shape[1] % 16 == 0 and w.shape[2] % 32 == 0
 
 
 def fits(x, w) -> bool:
-    """Whether the kernel runs: on the GPU, half-precision operands of one dtype, widths it tiles."""
-    return jax.default_backend() == "gpu" and x.dtype == w.dtype and x.dtype in HALF and _tiles(x, w)
+    """Whether the kernel runs: on the GPU, half-precision activations (of the weights' dtype unless they are kept
+    quantized), widths it tiles."""
+    same = isinstance(w, dict) or x.dtype == w.dtype
+    return jax.default_backend() == "gpu" and same and x.dtype in HALF and _tiles(x, w)
 
 
 def reference(x, w, ids):
-    """The XLA path: the chosen slabs gathered, then one batched matmul."""
+    """The XLA path: the chosen slabs gathered (and dequantised, if kept quantized), then one batched matmul."""
+    if isinstance(w, dict):
+        wq = qdq.dequant({k: v[ids] for k, v in w.items()}, x.dtype)  # exact in x's dtype ([n, N, K])
+        return jnp.einsum("nk,nfk->nf", x, wq, preferred_element_type=F32).astype(x.dtype)
     return jnp.einsum("nk,nkf->nf", x, w[ids], preferred_element_type=F32).astype(x.dtype)
 
 
 def matmul(x, w, ids, *, interpret: bool = False):
-    """x [n, K], w [G, K, N], ids [n] int -> [n, N] in x's dtype, accumulated in fp32. Differentiable (the backward
-    is the reference's). interpret: run the kernel in Pallas' interpreter wherever its widths tile (CPU tests)."""
+    """x [n, K], w [G, K, N] or kept quantized ([G, N, K] as bytes, see the module doc), ids [n] int -> [n, N] in
+    x's dtype, accumulated in fp32. Differentiable in x (and in w unless quantized); the backward is the
+    reference's. interpret: run the kernel in Pallas' interpreter wherever its widths tile (CPU tests)."""
     if not (fits(x, w) or interpret and _tiles(x, w)):
         return reference(x, w, ids)
     return _kernel_matmul(x, w, ids, interpret)
 
 
+def _splits(rows_by_cols: int, steps: int) -> int:
+    """Split the contraction until ~4 programs an SM: at decode sizes (4 rows) the columns alone give too few."""
+    return next((s for s in range(1, steps + 1) if steps % s == 0 and rows_by_cols * s >= TARGET_PROGRAMS), steps)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _kernel_matmul(x, w, ids, interpret):
+    if isinstance(w, dict):
+        return _quantized_call(x, w, ids, interpret)
     n, (G, K, N) = x.shape[0], w.shape
     bk = next(b for b in (64, 32, 16) if K % b == 0)
     bn = 64 if N % 64 == 0 else 32
     steps = K // bk
-    # split K until ~4 programs an SM: at decode sizes (4 rows) the columns alone give too few
-    splits = next((s for s in range(1, steps + 1) if steps % s == 0 and n * (N // bn) * s >= TARGET_PROGRAMS), steps)
+    splits = _splits(n * (N // bn), steps)
     parts = pl.pallas_call(
         functools.partial(_kernel, steps=steps // splits, bk=bk, bn=bn), grid=(n, N // bn, splits),
         in_specs=[triton.whole(x), triton.whole(w), triton.whole(ids)],
@@ -67,6 +89,8 @@ def _kernel_matmul_fwd(x, w, ids, interpret):
 
 def _kernel_matmul_bwd(interpret, res, g):
     x, w, ids = res
+    if isinstance(w, dict):  # bytes: no cotangent
+        return jax.vjp(lambda x: reference(x, w, ids), x)[1](g)[0], None, None
     dx, dw = jax.vjp(lambda x, w: reference(x, w, ids), x, w)[1](g)
     return dx, dw, None
 
@@ -84,5 +108,90 @@ def _kernel(x_ref, w_ref, ids_ref, o_ref, *, steps: int, bk: int, bn: int):
         xb = x_ref[i, pl.ds(k0, bk)].astype(F32)
         wb = w_ref[e, pl.ds(k0, bk), pl.ds(j * bn, bn)].astype(F32)
         return acc + jnp.sum(xb[:, None] * wb, axis=0)
+
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn,), F32))
+
+
+# ---- experts kept quantized: [G, N, K] bytes, decoded in registers ----
+
+def _fp8_block(w):
+    """The square block of an FP8 weight's scale grid that the kernel tiles (16 .. 128), else None."""
+    N, K = w["fp8"].shape[1:]
+    return next((b for b in (128, 64, 32, 16) if tuple(w["scale"].shape[1:]) == (-(-N // b), -(-K // b))
+                 and K % b == 0), None)
+
+
+def _quantized_call(x, w, ids, interpret):
+    n, N = x.shape[0], w["scale"].shape[1] if "fp4" in w else w["fp8"].shape[1]
+    if "fp4" in w:  # a step: 2 scale blocks (64 values, 32 bytes a column); x's even / odd elements (low / high nibble)
+        K = 2 * w["fp4"].shape[2]
+        sub = 2 if (K // FP4_BLOCK) % 2 == 0 else 1
+        steps, bn = K // (FP4_BLOCK * sub), next(b for b in (64, 32, 16) if N % b == 0)
+        kernel = functools.partial(_fp4_kernel, sub=sub)
+        operands = (x[:, 0::2], x[:, 1::2], w["fp4"], w["scale"])
+    else:  # a step: bk values inside one scale block; columns bn inside one scale block
+        B = _fp8_block(w)
+        K, bk = w["fp8"].shape[2], min(64, B)
+        steps, bn = K // bk, next(b for b in (64, 32, 16) if N % b == 0 and B % b == 0)
+        fp8 = w["fp8"] if w["fp8"].dtype == jnp.float8_e4m3fn else jax.lax.bitcast_convert_type(
+            w["fp8"], jnp.float8_e4m3fn)  # raw bytes (uint8 / int8) reinterpreted, as qdq
+        kernel = functools.partial(_fp8_kernel, bk=bk, block=B)
+        operands = (x, fp8, w["scale"])
+    splits = _splits(n * (N // bn), steps)
+    ids = ids.astype(jnp.int32)
+    parts = pl.pallas_call(
+        functools.partial(kernel, steps=steps // splits, bn=bn), grid=(n, N // bn, splits),
+        in_specs=[triton.whole(a) for a in (*operands, ids)],
+        out_specs=pl.BlockSpec((None, None, bn), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, n, N), F32), interpret=interpret,
+        name="gathered_matmul_" + ("fp4" if "fp4" in w else "fp8"),
+        **({} if interpret else triton.params(num_stages=4)),
+    )(*operands, ids)
+    return jnp.sum(parts, axis=0).astype(x.dtype)
+
+
+def e2m1_value(c):
+    """e2m1 codes (int32, bit 3 = sign) -> fp32, `qdq.FP4_TABLE` without a table: magnitudes 0, .5, 1, 1.5 are
+    code / 2; 2, 3, 4 are code - 2; code 7 is 6; -0.0 for code 8."""
+    m = (c & 7).astype(F32)
+    v = jnp.where(m < 4, 0.5 * m, jnp.where(m < 7, m - 2, 6.0))
+    return jnp.where((c & 8) != 0, -v, v)
+
+
+def _fp4_kernel(xe_ref, xo_ref, w_ref, s_ref, ids_ref, o_ref, *, steps: int, bn: int, sub: int):
+    """Row i, columns j*bn .. of its expert's packed matrix [N, K/2], over split s of the contraction: per scale
+    block (16 bytes of a column) the decoded values times the block's E8M0 scale, times x, summed."""
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e, cols, half = ids_ref[i], pl.ds(j * bn, bn), FP4_BLOCK // 2
+
+    def body(t, acc):
+        for u in range(sub):
+            kb = (s * steps + t) * sub + u  # the scale block
+            b = w_ref[e, cols, pl.ds(kb * half, half)].astype(jnp.int32)  # [bn, 16] packed bytes
+            xe = xe_ref[i, pl.ds(kb * half, half)].astype(F32)  # elements 2k (low nibbles)
+            xo = xo_ref[i, pl.ds(kb * half, half)].astype(F32)  # elements 2k + 1 (high nibbles)
+            scale = qdq.e8m0_to_f32(s_ref[e, cols, kb])[:, None]  # the weights exactly as dequantised (2^127 * 6: inf)
+            lo, hi = e2m1_value(b & 15) * scale, e2m1_value(b >> 4) * scale
+            acc = acc + jnp.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
+        return acc
+
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn,), F32))
+
+
+def _fp8_kernel(x_ref, w_ref, s_ref, ids_ref, o_ref, *, steps: int, bn: int, bk: int, block: int):
+    """Row i, columns j*bn .. of its expert's e4m3 matrix [N, K] (inside one row of scale blocks), over split s
+    of the contraction in steps of bk values (inside one scale block): one E8M0 scale per step."""
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e = ids_ref[i]
+
+    row = jax.lax.div(j, block // bn)  # of the scale grid (bn and bk divide the block)
+
+    def body(t, acc):
+        step = s * steps + t
+        k0 = step * bk
+        xb = x_ref[i, pl.ds(k0, bk)].astype(F32)
+        wb = w_ref[e, pl.ds(j * bn, bn), pl.ds(k0, bk)].astype(F32)
+        wb = wb * qdq.e8m0_to_f32(s_ref[e, row, jax.lax.div(step, block // bk)])  # exactly as dequantised
+        return acc + jnp.sum(wb * xb[None, :], axis=1)
 
     o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn,), F32))

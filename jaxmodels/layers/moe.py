@@ -120,17 +120,18 @@ def _routed(spec, p, xt, w, idx, first, stack=None):
 
 def _gathered(spec, p, xt, w, idx, stack=None):
     """Each (token, slot) reads only its expert's matrices: weight bytes ~ tokens * top_k experts. Given `stack`,
-    through `gathered.matmul` (on the GPU a kernel reading every layer's stack in place), else XLA's gather."""
+    through `gathered.matmul` (on the GPU a kernel reading every layer's stack in place, experts kept quantized
+    decoded inside it), else XLA's gather (of the chosen experts' bytes, then expanded)."""
     e = idx.reshape(-1)
     rows = jnp.repeat(xt, spec.top_k, axis=0)
 
     def mm(a, name):
-        if isinstance(p[name], dict):  # kept quantized [E, out, in]: expand only the chosen experts' bytes
-            return jnp.einsum("nd,nfd->nf", a, qdq.dequant({k: v[e] for k, v in p[name].items()}, a.dtype))
         if stack is None:  # (the kernel given a scanned layer's slice: XLA copies the slice first)
             return gathered.reference(a, p[name], e)
-        whole, layer = stack[0][name], stack[1]  # [L, E, K, N]: expert e of this layer is row layer * E + e
-        return gathered.matmul(a, whole.reshape(-1, *whole.shape[2:]), layer * whole.shape[1] + e)
+        # every layer's [L, E, ...] (bytes and scales too, if kept quantized): expert e of this layer is layer * E + e
+        whole, layer = stack[0][name], stack[1]
+        E = jax.tree.leaves(whole)[0].shape[1]
+        return gathered.matmul(a, jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), whole), layer * E + e)
 
     g, u = mm(rows, "w_gate"), mm(rows, "w_up")
     if spec.bias:
