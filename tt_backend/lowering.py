@@ -28,7 +28,9 @@ MoE layers (GPT-OSS, Qwen3-MoE routers) are lowered with dense experts: every ex
 row, weighted by its routing weight (exact routing, E times the expert work of ttnn.sparse_matmul).
 
 `check_config` raises `TTConstraintError` for what TT cannot do and `NotImplementedError` for what
-this lowering does not do yet (shared experts, mHC, MLA / DeepSeek V4); nothing falls back silently.
+this lowering does not do yet (shared experts outside DeepSeek, mHC on GQA layers); nothing falls back silently.
+DeepSeek V4 / V4.1 configs (mHC + MLA) are lowered by `tt_backend.deepseek_lowering` (prefill; its decode program
+is not written yet, `decode` is None) and `lower` hands them over.
 `check_program` validates a program's calls (dtype/layout rules of cache ops, tile alignment, top-k).
 
 Not lowered (yet): tensor parallelism and its CCLs (one device per program), on-device sampling
@@ -557,6 +559,14 @@ def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int =
     attention_mask: prefill attention reads additive masks ([1, 1, S, S], `attention_masks`) instead of the
     causal rule; not with chunk_start (the mask would have to cover the cached prefix too).
     """
+    from tt_backend import deepseek_lowering
+
+    if deepseek_lowering.is_deepseek(cfg):  # mHC / MLA / Engram: its own lowering (prefill only for now)
+        if chunk_start or per_layer_page_tables or cache_position_modulo or embeddings or attention_mask:
+            raise NotImplementedError("DeepSeek lowering: chunked / paged / multimodal prefill options are not "
+                                      "supported yet")
+        return deepseek_lowering.lower(cfg, prefill_len=prefill_len, batch=batch, max_seq_len=max_seq_len,
+                                       block_size=block_size, policy=policy)
     check_config(cfg)
     check_decode_batch(batch)
     if block_size % TILE:
