@@ -19,8 +19,13 @@ What runs a forward pass is an `Executor` (one per submesh, all sharing one set 
 ``tt_backend.VLLMExecutor``, runs the NumPy emulation of the lowered TT program with everything the generator
 hands it: per-layer page tables, sliding rings (``cache_position_modulo``), chunked prefill and prefill from a
 cached prefix (``start_pos``). `TTNNDeviceExecutor` runs the same programs on a Tenstorrent device through
-``tt_backend.ttnn_exec``; tests also use a JAX reference. Executors read and write the paged caches through `tt_backend.paged_cache`; the
-generator owns page-table construction, chunking, DP splitting, reload commands and trace bookkeeping.
+``tt_backend.ttnn_exec``; tests also use a JAX reference. Executors read and write the paged caches through
+`tt_backend.paged_cache`; the generator owns page-table construction, chunking, DP splitting, reload commands
+and trace bookkeeping.
+
+Cache specs are derived per cache kind (`kv_cache_specs`, from what the lowering declares): full attention,
+sliding windows (rings with hybrid groups) and DeepSeek's window rings, compressed CSA/HCA entries, indexer keys
+and compressor state; `kv_cache_groups` groups equal specs as vLLM's hybrid allocator does.
 Cache buffers are host NumPy arrays (float32 unless a NumPy dtype is asked for); the emulator rounds what it
 writes to its precision policy's KV dtype (bfloat8_b by default), as the device would store it.
 
@@ -37,7 +42,9 @@ Not done (raise rather than run something else): non-greedy device sampling and 
 asynchronous readback (``read_from_device=False`` returns a handle that `read_decode_output` resolves, but
 nothing overlaps), Mllama's cross-attention, images with a cached prefix, and prefix caching or chunked
 prefill into sliding rings (the lowering refuses it, as tt-metal; with ``hybrid_kv_cache_groups=False``, the
-default, sliding layers keep full-length caches and both work).
+default, sliding layers keep full-length caches and both work). DeepSeek's specs are exposed, but its
+prefill/decode do not run through the generator: `tt_backend.deepseek_lowering` has no decode program or paged
+caches yet.
 
 Deliberate differences from tt-metal (each guards a silent-corruption path it has):
 * A user's prefill page table holds only the blocks that cover its prompt; the padded tail's entries
@@ -60,9 +67,10 @@ from typing import Any, Hashable, Protocol, Sequence
 import numpy as np
 
 from jaxmodels.config import ModelConfig
-from tt_backend import paged_cache as pc
+from tt_backend import deepseek_lowering, paged_cache as pc
 from tt_backend.emu.executor import VLLMExecutor, executor_factory as emulator_factory
 from tt_backend.lowering import padded_prefill_len
+from tt_backend.weights import policy as get_policy
 
 FALLBACK_MAX_TOKENS_ALL_USERS = 131_072  # tt-metal's ModelCapabilitiesMixin fallback
 MIN_PREFILL_CHUNK = 128  # chunked SDPA / prefill lengths are multiples of 128
@@ -106,25 +114,127 @@ class Executor(Protocol):
 
 
 # ----------------------------------------------------------------------------- cache specs
+# What each cache *is* (vLLM's kv_cache_interface): one spec per cache, named as vLLM names attention layers.
+# `tensors`: 2 for separate K and V, 1 for one latent cache read as both (MLA) or for keys only (indexer keys).
+_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "bfloat8_b": 1088 / 1024, "bfloat4_b": 576 / 1024}
+
+
+def _dtype_bytes(dtype) -> float:
+    name = str(dtype).split(".")[-1]
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"cache dtype {dtype!r}: bytes per element unknown (known: {sorted(_DTYPE_BYTES)})")
+    return _DTYPE_BYTES[name]
+
+
 @dataclass(frozen=True)
-class FullAttentionSpec:
-    """vLLM's ``FullAttentionSpec`` fields."""
+class AttentionSpec:
+    """A paged cache: ``block_size`` tokens a block, ``num_kv_heads`` x ``head_size`` per entry."""
 
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: Any
+    tensors: int = 2
+
+    @property
+    def page_size_bytes(self) -> int:
+        return int(self.tensors * self.block_size * self.num_kv_heads * self.head_size * _dtype_bytes(self.dtype))
 
 
 @dataclass(frozen=True)
-class SlidingWindowSpec:
-    """vLLM's ``SlidingWindowSpec`` fields."""
+class FullAttentionSpec(AttentionSpec):
+    """vLLM's ``FullAttentionSpec``: every token's K/V."""
 
-    block_size: int
-    num_kv_heads: int
-    head_size: int
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """vLLM's ``SlidingWindowSpec``: only the last ``sliding_window`` tokens are read (served as a ring)."""
+
+    sliding_window: int = 0
+
+    def __post_init__(self):
+        if self.sliding_window <= 0:
+            raise ValueError(f"SlidingWindowSpec needs a positive sliding_window, got {self.sliding_window}")
+
+
+@dataclass(frozen=True)
+class CompressedSpec(AttentionSpec):
+    """One entry per ``compress_ratio`` tokens (DeepSeek): ``kind`` "csa" (compressed KV an indexer selects
+    from), "hca" (compressed KV attended whole) or "index_keys" (the indexer's keys of those entries)."""
+
+    compress_ratio: int = 1
+    kind: str = "csa"
+
+    def __post_init__(self):
+        if self.kind not in ("csa", "hca", "index_keys") or self.compress_ratio < 1:
+            raise ValueError(f"CompressedSpec: kind {self.kind!r} (csa / hca / index_keys), "
+                             f"ratio {self.compress_ratio}")
+
+
+@dataclass(frozen=True)
+class SequenceStateSpec:
+    """Per-sequence state no position addresses (a compressor's partial group): ``shape`` per sequence."""
+
+    shape: tuple[int, ...]
     dtype: Any
-    sliding_window: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        return int(np.prod(self.shape) * _dtype_bytes(self.dtype))
+
+
+_CACHE_SUFFIX = {"full": "", "window": "", "csa": ".compressor", "hca": ".compressor", "index_keys": ".indexer"}
+
+
+def cache_kinds(cfg: ModelConfig, block_size: int, policy="performance") -> list[dict]:
+    """Every cache of every layer as the lowering's meta declares it (``kv_cache_specs``: layer, kind, entry_shape,
+    tokens_per_entry, ring; DeepSeek's from `deepseek_lowering.kv_specs`); GQA layers: "full" or "window"."""
+    if deepseek_lowering.is_deepseek(cfg):
+        return deepseek_lowering.kv_specs(cfg, block_size, get_policy(policy))
+    return [{"layer": i, "kind": "full" if s.attention.window is None else "window", "ring": s.attention.window,
+             "entry_shape": [cfg.num_kv_heads, cfg.head_dim], "tokens_per_entry": 1, "tensors": 2}
+            for i, s in enumerate(cfg.layers)]
+
+
+def kv_cache_specs(cfg: ModelConfig, block_size: int, dtype, *, hybrid: bool = True) -> dict[str, Any]:
+    """``{name: spec}`` for every cache, by kind: "model.layers.<i>.self_attn" (full, or window: a
+    `SlidingWindowSpec` when `hybrid`, else full-length as tt-metal), ".compressor" (csa / hca), ".indexer"
+    (index_keys) and "<that>.state" (the compressor's partial group). A DeepSeek reuse layer has no compressed
+    cache of its own: it reads its source layer's. `dtype`: the paged caches' (vLLM's), states keep theirs."""
+    specs, owner = {}, {}
+    for c in cache_kinds(cfg, block_size):
+        i, kind = c["layer"], c["kind"]
+        base = f"model.layers.{i}.self_attn"
+        if kind == "reuse":
+            continue
+        if kind == "compressor_state":
+            specs[base + _CACHE_SUFFIX[c["of"]] + ".state"] = SequenceStateSpec(tuple(c["entry_shape"]), c["dtype"])
+            continue
+        if kind not in _CACHE_SUFFIX:
+            raise NotImplementedError(f"layer {i}: cache kind {kind!r} has no generator spec")
+        heads, width = c["entry_shape"]
+        common = dict(block_size=block_size, num_kv_heads=heads, head_size=width, dtype=dtype,
+                      tensors=c.get("tensors", 1))
+        if kind in ("full", "window") and not (hybrid and kind == "window"):
+            spec = FullAttentionSpec(**common)
+        elif kind == "window":
+            spec = SlidingWindowSpec(**common, sliding_window=c["ring"])
+        else:
+            spec = CompressedSpec(**common, compress_ratio=c["tokens_per_entry"], kind=kind)
+        name = base + _CACHE_SUFFIX[kind]
+        if name in owner:
+            raise ValueError(f"{name}: declared twice ({owner[name]} and {kind})")
+        specs[name], owner[name] = spec, kind
+    return specs
+
+
+def kv_cache_groups(specs: dict[str, Any]) -> list[tuple[Any, list[str]]]:
+    """Caches with equal specs form one group (vLLM's hybrid KV-cache groups: one page size, one table per
+    group); in first-seen order. Derived, never configured by hand."""
+    groups: dict[Any, list[str]] = {}
+    for name, spec in specs.items():
+        groups.setdefault(spec, []).append(name)
+    return list(groups.items())
 
 
 def sliding_ring_capacity(window: int, block_size: int) -> int:
@@ -339,33 +449,21 @@ class Generator:
 
     @classmethod
     def get_kv_cache_spec(cls, vllm_config, *, hybrid_kv_cache_groups: bool | None = None):
-        """``{"model.layers.<i>.self_attn": spec}`` from ``hf_config.text_config.layer_types``.
+        """`kv_cache_specs` of the model vLLM serves (``model_config.hf_config``, through ``families``).
 
-        As in tt-metal, every layer gets a `FullAttentionSpec` unless hybrid kv-cache groups are enabled; then
-        sliding layers get a `SlidingWindowSpec` (served as rings through ``cache_position_modulo``).
+        As in tt-metal, a sliding layer gets a `FullAttentionSpec` unless hybrid kv-cache groups are enabled; then
+        a `SlidingWindowSpec` (served as a ring through ``cache_position_modulo``). DeepSeek's caches are hybrid
+        by nature (window rings, compressed CSA/HCA entries, indexer keys, compressor state) and always declared
+        so: the upstream plugin keeps hybrid groups disabled, so it cannot serve them.
         """
+        from jaxmodels import families
+
         hybrid = cls._HYBRID_KV_CACHE_GROUPS_ENABLED if hybrid_kv_cache_groups is None else hybrid_kv_cache_groups
         mc, cc = vllm_config.model_config, vllm_config.cache_config
-        tc = _text_config(_hf_dict(mc.hf_config))
-        layer_types = tc.get("layer_types")
-        if layer_types is None:
-            raise ValueError(f"{cls.__name__}.get_kv_cache_spec requires hf_config.text_config.layer_types "
-                             "(one of 'full_attention' / 'sliding_attention' per layer); none found")
-        heads = tc["num_attention_heads"]
-        common = dict(block_size=cc.block_size, num_kv_heads=tc.get("num_key_value_heads", heads),
-                      head_size=tc.get("head_dim") or tc["hidden_size"] // heads,
-                      dtype=getattr(mc, "dtype", "bfloat16"))
-        specs = {}
-        for i, lt in enumerate(layer_types):
-            if lt not in ("sliding_attention", "full_attention"):
-                raise ValueError(f"unsupported layer_type {lt!r} at layer {i}; expected 'full_attention' or "
-                                 "'sliding_attention'")
-            if hybrid and lt == "sliding_attention" and not tc.get("sliding_window"):
-                raise ValueError(f"layer {i} is sliding_attention but the config has no sliding_window")
-            specs[f"model.layers.{i}.self_attn"] = (
-                SlidingWindowSpec(**common, sliding_window=tc["sliding_window"])
-                if hybrid and lt == "sliding_attention" else FullAttentionSpec(**common))
-        return specs
+        hf = _hf_dict(mc.hf_config)
+        cfg = families.config_from_hf(hf if "model_type" in hf else _text_config(hf))
+        hybrid = hybrid or deepseek_lowering.is_deepseek(cfg)
+        return kv_cache_specs(cfg, cc.block_size, getattr(mc, "dtype", "bfloat16"), hybrid=hybrid)
 
     def cache_position_modulo(self) -> list[int | None]:
         """Per layer: the ring capacity of sliding layers when hybrid groups are on, else None."""

@@ -543,13 +543,13 @@ def test_kv_cache_spec_for_hybrid_models():
     assert [type(s).__name__ for s in hybrid.values()] == ["SlidingWindowSpec", "FullAttentionSpec",
                                                             "SlidingWindowSpec"]
     assert hybrid["model.layers.2.self_attn"].sliding_window == 40
-    no_types = SimpleNamespace(model_config=SimpleNamespace(hf_config=LLAMA), cache_config=vcfg.cache_config)
-    with pytest.raises(ValueError, match="layer_types"):
-        G.Gemma3ForCausalLM.get_kv_cache_spec(no_types)
-    bad = SimpleNamespace(model_config=SimpleNamespace(hf_config={**GEMMA3, "layer_types": ["chunked"] * 3}),
-                          cache_config=vcfg.cache_config)
-    with pytest.raises(ValueError, match="unsupported layer_type 'chunked' at layer 0"):
-        G.Gemma3ForCausalLM.get_kv_cache_spec(bad)
+    assert hybrid["model.layers.1.self_attn"].page_size_bytes == 2 * BS * 2 * 8 * 2  # K and V, bf16
+    groups = G.kv_cache_groups(hybrid)  # derived: one group per distinct spec
+    assert [names for _, names in groups] == [["model.layers.0.self_attn", "model.layers.2.self_attn"],
+                                              ["model.layers.1.self_attn"]]
+    dense = SimpleNamespace(model_config=SimpleNamespace(hf_config=LLAMA), cache_config=vcfg.cache_config)
+    specs = G.LlamaForCausalLM.get_kv_cache_spec(dense, hybrid_kv_cache_groups=True)  # no layer_types needed
+    assert set(specs.values()) == {G.FullAttentionSpec(BS, 2, 8, "bfloat16")} and len(specs) == 2
 
 
 def test_initialize_capabilities_and_token_budgets():

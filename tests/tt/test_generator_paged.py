@@ -311,3 +311,54 @@ def test_device_generation_matches_the_emulator(models, name, cls, hybrid):
     pcc = [np.corrcoef(w.ravel(), g.ravel())[0, 1] for w, g in zip(want, got)]
     print(f"{name}: min PCC {min(pcc):.4f}, top-1 agreement {(want.argmax(-1) == got.argmax(-1)).mean():.3f}")
     assert min(pcc) >= 0.99, pcc
+
+
+# ------------------------------------------------------------------------------------ KV specs per kind
+def _vllm_config(hf):
+    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype="bfloat16"),
+                           cache_config=SimpleNamespace(block_size=BS))
+
+
+@pytest.mark.parametrize("version", ["v4", "v4.1"])
+def test_deepseek_hybrid_kv_specs(version):
+    """DeepSeek's caches by kind, from the lowering's declaration and checked against the plan's cache specs:
+    a window ring per layer, compressed CSA/HCA entries and indexer keys at the layer's ratio, compressor state;
+    reuse layers own no compressed cache. Declared hybrid even with hybrid groups off (the upstream plugin's
+    default), and at least three paged kinds."""
+    from jaxmodels import families, plan
+    from tests.oracles import deepseek_ckpt
+    from tests.parity.test_deepseek_v4 import V4_TINY
+
+    hf = ({**V4_TINY, "model_type": "deepseek_v4"} if version == "v4" else deepseek_ckpt.tiny_config(
+        "v4.1", quantized=False, hidden_size=64, moe_intermediate_size=32, q_lora_rank=32, o_lora_rank=32,
+        index_head_dim=32, engram_head_dim=16, max_position_embeddings=8192))
+    cfg = families.config_from_hf(hf)
+    specs = G.Generator.get_kv_cache_spec(_vllm_config(hf), hybrid_kv_cache_groups=False)
+    for i, layer in enumerate(cfg.layers):
+        base = f"model.layers.{i}.self_attn"
+        slots = {s.name: s for s in plan.cache_specs(cfg, layer) if isinstance(s, plan.SlotSpec)}
+        window = specs[base]
+        assert type(window) is G.SlidingWindowSpec and window.sliding_window == slots["kv"].window
+        assert (window.num_kv_heads, window.head_size, window.tensors) == (1, cfg.head_dim, 1)  # latent: K = V
+        m = layer.attention.mla
+        if "compressed" in slots:
+            comp = specs[base + ".compressor"]
+            assert type(comp) is G.CompressedSpec and comp.compress_ratio == slots["compressed"].per
+            assert comp.kind == ("csa" if m.select == "indexer" else "hca")
+            state = specs.get(base + ".compressor.state")  # the partial group: none when every token closes one
+            assert isinstance(state, G.SequenceStateSpec) if m.ratio > 1 else state is None
+        else:  # SWA-only or a reuse layer: it reads a source layer's compressed cache
+            assert base + ".compressor" not in specs
+        if "index_keys" in slots:
+            keys = specs[base + ".indexer"]
+            assert (keys.kind, keys.compress_ratio, keys.head_size) == ("index_keys", slots["index_keys"].per,
+                                                                        m.index_head_dim)
+        else:
+            assert base + ".indexer" not in specs
+    kinds = {(type(s).__name__, getattr(s, "kind", None)) for s in specs.values() if isinstance(s, G.AttentionSpec)}
+    assert len(kinds) >= 3 and ("SlidingWindowSpec", None) in kinds and ("CompressedSpec", "index_keys") in kinds
+    groups = G.kv_cache_groups(specs)
+    assert sum(len(names) for _, names in groups) == len(specs)
+    assert len({spec for spec, _ in groups}) == len(groups)
+    assert [names for spec, names in groups if isinstance(spec, G.SlidingWindowSpec)] == [
+        [f"model.layers.{i}.self_attn" for i in range(cfg.num_layers)]]  # every window ring in one group
