@@ -1,10 +1,11 @@
 """Tensor parallelism over a mesh (`tt_backend.mesh`) and its emulation (`tt_backend.emu.mesh`).
 
 Tiny random models (dense Llama / Qwen3, Gemma3's sliding + global sandwich layers, GPT-OSS with expert-parallel
-MoE) run on meshes of 2 and 8 devices: prefill through a shuffled page table, then decode; logits and the
-logical KV caches equal the single-device emulation at `exact` numerics up to float32 summation order (the
-row-parallel matmuls sum their K in N partial sums), and the single-device run equals jm.forward. Every call of the
-sharded programs, every mesh mapper and the output composer is checked against the ttnn 0.81.1 wheel's signatures.
+MoE) run on 1-D meshes of 2 and 8 devices (N300, T3K) and 2-D meshes 2x4 and 8x4 (Galaxy's TG layout): prefill
+through a shuffled page table, then decode; logits and the logical KV caches equal the single-device emulation at
+`exact` numerics up to float32 summation order (a matmul whose contracted dim is split sums it in partial sums), and
+the single-device run equals jm.forward. Every call of the sharded programs, every mesh mapper and the output
+composer is checked against the ttnn 0.81.1 wheel's signatures.
 """
 from __future__ import annotations
 
@@ -26,14 +27,27 @@ from tt_backend.lowering import TTConstraintError, lower
 from tt_backend.program import TTModelProgram
 from tt_backend.weights import POLICIES
 
-# 8 devices need 8 query and KV heads and a hidden size of 8 whole tiles
+# more than 2 devices: 8 query and KV heads, hidden and intermediate sizes of 8 whole tiles (1x8: all split 8 ways;
+# 2x4 / 8x4: heads and intermediate split over the rows, the hidden size over the 4 columns); one expert per device
 WIDE = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8}
 CASES = [("llama", 2), ("qwen3", 2), ("gemma3", 2), ("gpt_oss", 2), ("llama", 8), ("qwen3", 8), ("gemma3", 8),
-         ("gpt_oss", 8)]
+         ("gpt_oss", 8), ("llama", (2, 4)), ("gemma3", (2, 4)), ("gpt_oss", (2, 4)), ("qwen3", (8, 4)),
+         ("gpt_oss", (8, 4))]
 
 
-def config(family: str, n: int = 2, **over):
+def devices(mesh) -> int:
+    return int(np.prod(mesh))
+
+
+def head_split(mesh) -> int:
+    """How many ways the heads are split: the one axis of a 1-D mesh, the rows of a 2-D one."""
+    rows, cols = tp.mesh_shape(mesh)
+    return rows if rows > 1 else cols
+
+
+def config(family: str, mesh=2, **over):
     hf = {**BASE, **TINY.get(family, TINY_MOE.get(family, {}))}
+    n = devices(mesh)
     if n > 2:
         hf |= WIDE | ({"num_local_experts": n, "intermediate_size": 64} if family == "gpt_oss" else {})
     return families.config_from_hf({**hf, **over})
@@ -86,16 +100,17 @@ def test_mesh_equals_single_device(family, n):
     single, kv1 = run(Executor(m, numerics="exact", max_seq_len=256), tokens, 40, blocks)
     ex = MeshExecutor(m, n, numerics="exact", max_seq_len=256)
     multi, kvn = run(ex, tokens, 40, blocks)
-    assert len(ex.devices) == n
     np.testing.assert_allclose(multi, single, atol=1e-5, rtol=0)
     np.testing.assert_allclose(single, np.asarray(jm.forward(m, tokens[None]))[0], atol=2e-5, rtol=0)
     for (k1, v1), (kn, vn) in zip(kv1, kvn):
         np.testing.assert_allclose(kn[blocks], k1[blocks], atol=1e-5, rtol=0)
         np.testing.assert_allclose(vn[blocks], v1[blocks], atol=1e-5, rtol=0)
-    # each device really holds a shard: its cache view and its wqkv are 1/n of the whole
+    # each device really holds a shard: its cache view holds its heads (split over the rows of a 2-D mesh), its
+    # wqkv 1/n of the whole
     d0 = ex.devices[0]
-    assert d0["kv.0.k"].shape[1] == m.config.num_kv_heads // n
-    assert d0["layers.0.wqkv"].shape[-1] * n == ex.host["layers.0.wqkv"].shape[-1]
+    assert len(ex.devices) == devices(n)
+    assert d0["kv.0.k"].shape[1] == m.config.num_kv_heads // head_split(n)
+    assert d0["layers.0.wqkv"].size * devices(n) == ex.host["layers.0.wqkv"].size
 
 
 def test_full_numerics_stay_close_to_one_device():
@@ -150,21 +165,24 @@ def _check_against_wheel(prog):
         api.check_call(spec["mesh_mapper"], [k for k in spec if k not in ("mesh_mapper", "host")], n_positional=1)
         api.check_call("ttnn.as_tensor", ["dtype", "layout", "device", "memory_config", "mesh_mapper"],
                        n_positional=1)
-    api.check_call(mesh["output"]["mesh_composer"], ["dim"], n_positional=1)
+    out = mesh["output"]  # ConcatMeshToTensor(mesh_device, dim=) / ConcatMesh2dToTensor(mesh_device, mesh_shape=, dims=)
+    api.check_call(out["mesh_composer"], [k for k in out if k not in ("mesh_composer", "logical_width",
+                                                                      "rows_replicated")], n_positional=1)
     api.check_call("ttnn.to_torch", ["mesh_composer"], n_positional=1)
 
 
 @pytest.mark.parametrize("family,n", CASES)
 def test_every_call_and_mapper_matches_the_wheel(family, n):
-    prog = tp.shard(lower(config(family, n), prefill_len=128, batch=4, max_seq_len=512), (1, n))
+    prog = tp.shard(lower(config(family, n), prefill_len=128, batch=4, max_seq_len=512), n)
+    rows = tp.mesh_shape(n)[0]
     for p in (prog.prefill, prog.decode):
         _check_against_wheel(p)
         ccl = [c for c in p.calls if c.op in tp.CCL_OPS]
-        assert ccl and all(c.kwargs["cluster_axis"] == 1 for c in ccl)
+        assert {c.kwargs["cluster_axis"] for c in ccl} == ({1} if rows == 1 else {0, 1})
     # the sharded model program is still plain data
     again = TTModelProgram.from_json(prog.to_json())
     assert again.decode.calls == prog.decode.calls
-    assert again.meta["kv_cache"]["shape"][1] == config(family, n).num_kv_heads // n
+    assert again.meta["kv_cache"]["shape"][1] == config(family, n).num_kv_heads // head_split(n)
 
 
 def test_placement_is_tt_transformers():
@@ -212,7 +230,7 @@ def test_experts_are_expert_parallel():
     assert [n for n in maps if n.startswith("layers.0.e")] == [f"layers.0.e0.{w}" for w in
                                                                ("w1", "b1", "w3", "b3", "w2", "b2")]
     assert maps["layers.0.e0.w1"]["host"]["stack"] == [f"layers.0.e{j}.w1" for j in range(8)]
-    assert maps["layers.0.e0.w1"]["dims"] == [None, 0] and maps["layers.0.router"] == {
+    assert maps["layers.0.e0.w1"]["dims"] == [None, 1] and maps["layers.0.router"] == {
         "mesh_mapper": "ttnn.ReplicateTensorToMesh"}
     part = [c for c in prog.calls if c.op == "ttnn.mesh_partition"]
     assert [c.inputs[0] for c in part] == ["l0.route", "l1.route"]
@@ -226,6 +244,9 @@ def test_experts_are_expert_parallel():
     (4, {"num_key_value_heads": 2}, "2 KV heads are not divisible by 4"),
     (4, {"num_key_value_heads": 4}, "hidden_size=64 is not a multiple of 128"),
     (2, {"intermediate_size": 96}, "intermediate size 96 is not a multiple of 64"),
+    ((2, 8), {"num_key_value_heads": 4, "hidden_size": 128}, "hidden_size=128 is not a multiple of 256"),
+    ((8, 4), {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 128},
+     "4 KV heads are not divisible by 8"),
 ])
 def test_indivisible_shapes_are_refused(n, over, match):
     cfg = config("llama", 2, **over)
@@ -236,14 +257,12 @@ def test_indivisible_shapes_are_refused(n, over, match):
         MeshExecutor(model(cfg), n, numerics="exact", max_seq_len=256)
 
 
-def test_experts_not_divisible_and_2d_tp_are_refused():
+def test_experts_not_divisible_are_refused():
     cfg = config("gpt_oss", 8)
     cfg4 = dataclasses.replace(cfg, layers=tuple(dataclasses.replace(
         s, mlp=dataclasses.replace(s.mlp, num_experts=4)) for s in cfg.layers))
     with pytest.raises(tp.MeshShardError, match="4 experts, not divisible by 8"):
         tp.shard(lower(cfg4, prefill_len=128, batch=1, max_seq_len=256), 8)
-    with pytest.raises(NotImplementedError, match="submesh_shapes"):
-        tp.shard(lower(config("llama", 8), prefill_len=128, batch=1, max_seq_len=256), (2, 4))
     with pytest.raises(tp.MeshShardError, match="3 data-parallel"):
         tp.submesh_shapes((2, 4), 3)
 
@@ -349,3 +368,24 @@ def test_rings_chunks_and_per_layer_tables_on_a_mesh():
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=0)
     ref = np.asarray(jm.forward(m, tokens[None]))[0, -1]
     np.testing.assert_allclose(outs[0], ref, atol=3e-5, rtol=0)
+
+
+def test_galaxy_placement_is_tt_transformers_tg():
+    """8x4 (Galaxy): heads and the intermediate size split over the 8 rows, the hidden size over the 4 columns, as
+    tt_transformers' TG layout (wqkv / w1 / w3 dims=(3, 2), wo / w2 dims=(2, 3)); each matmul's partial sums are
+    all-reduced on the axis that split its contracted dim; logits come back from one row of devices."""
+    prog = tp.shard(lower(config("llama", (8, 4)), prefill_len=128, batch=4, max_seq_len=512), (8, 4)).decode
+    maps = prog.meta["mesh"]["mappers"]
+    dims = {n: maps[n].get("dims") for n in ("embed", "layers.0.wqkv", "layers.0.bqkv", "layers.0.wo", "layers.0.bo",
+                                             "layers.0.w1", "layers.0.w2", "lm_head", "kv.0.k")}
+    assert dims == {"embed": [None, 1], "layers.0.wqkv": [3, 2], "layers.0.bqkv": [3, None], "layers.0.wo": [2, 3],
+                    "layers.0.bo": [None, 3], "layers.0.w1": [3, 2], "layers.0.w2": [2, 3], "lm_head": [None, 3],
+                    "kv.0.k": [1, None]}
+    seq = [(c.op.removeprefix("ttnn."), c.kwargs.get("cluster_axis")) for c in prog.calls
+           if c.op in tp.CCL_OPS or c.op == "ttnn.linear"][:10]
+    assert seq == [("all_gather", 1), ("mesh_partition", 1), ("linear", None), ("all_reduce", 1),  # norm, wqkv
+                   ("linear", None), ("all_reduce", 0),  # wo
+                   ("all_gather", 1), ("mesh_partition", 1), ("linear", None), ("linear", None)]  # norm, w1, w3
+    assert prog.tensors["kv.0.k"].shape == (None, 1, 32, 32) and prog.tensors["x0"].shape == (1, 1, 4, 64)
+    assert prog.meta["mesh"]["output"] == {"mesh_composer": "ttnn.ConcatMesh2dToTensor", "mesh_shape": [8, 4],
+                                           "dims": [1, 3], "rows_replicated": True}

@@ -1,23 +1,24 @@
 """Emulated multi-device execution of tensor-parallel programs (`tt_backend.mesh`).
 
-    ex = MeshExecutor(model, (1, 8), numerics="exact")     # a T3K: 8 devices, one TP group
+    ex = MeshExecutor(model, (1, 8), numerics="exact")     # a T3K: 8 devices, one TP group ((8, 4): a Galaxy)
     kv = ex.allocate_kv_cache(num_blocks)                  # the *logical* caches [blocks, K, block, d], as Executor
     logits = ex.prefill(tokens, page_table_row, kv)        # [T, vocab], the same API as `Executor`
     logits = ex.decode(tokens, positions, page_table, kv)
     ex.devices                                             # every device's tensors of the last run
 
 Each device holds its own tensors: weights distributed by their mesh mappers (`mesh.host_tensor` then the
-mapper's split, then host packing to the weight's dtype per device shard), inputs replicated, and its K/N
-heads of every paged cache as a *view* of the logical cache (`ShardTensor2dMesh(dims=(None, 1))`), so cache
-writes land in the caller's buffers and the generator's cache layout is unchanged. Ordinary ops run per
-device through the single-device emulator's `OPS`; the CCLs are emulated across devices exactly:
+mapper's split, then host packing to the weight's dtype per device shard), inputs replicated, and its KV
+heads of every paged cache as a *view* of the logical cache (split over the heads axis, `ShardTensor2dMesh` on
+dim 1), so cache writes land in the caller's buffers and the generator's cache layout is unchanged. Ordinary ops
+run per device through the single-device emulator's `OPS`; each CCL runs over every line of devices along its
+`cluster_axis` (`groups`), emulated exactly:
 - all_gather: concatenation in device order;
-- reduce_scatter: the float32 sum of the devices' terms in device order, then split; the result is rounded
-  to the output dtype once (hardware's ring accumulates hop by hop in the tensor's dtype: at `full`
+- all_reduce / reduce_scatter: the float32 sum of the devices' terms in device order (then split); the result
+  is rounded to the output dtype once (hardware's ring accumulates hop by hop in the tensor's dtype: at `full`
   numerics this is a model, not verified);
 - mesh_partition: each device keeps its slice.
-The output (vocab-sharded logits) is concatenated as `ConcatMeshToTensor` would and the LM head's padding
-dropped.
+The output (vocab-sharded logits) is concatenated as `ConcatMeshToTensor` / `ConcatMesh2dToTensor` would (one
+copy of replicated rows) and the LM head's padding dropped.
 
 Data parallel x tensor parallel, as tt-metal's generator_vllm: `executor_factory(model)` is a
 `tt_backend.generator.initialize_vllm_model(executor_factory=...)` factory: each data-parallel submesh gets a
@@ -42,33 +43,42 @@ REPLICATE = {"mesh_mapper": "ttnn.ReplicateTensorToMesh"}
 
 
 # ------------------------------------------------------------------------------------------- CCLs
-def _check_axis(prog_axis: int, kwargs: dict):
-    if kwargs.get("cluster_axis", prog_axis) != prog_axis:
-        raise ValueError(f"CCL on cluster_axis {kwargs['cluster_axis']}, the mesh's TP axis is {prog_axis}")
-
-
+# each takes the tensors of one group of devices along the CCL's cluster_axis, in mesh order
 def all_gather(xs: list, *, dim: int, **_) -> list:
     full = np.concatenate([np.asarray(x) for x in xs], axis=dim)
     return [full] * len(xs)
 
 
-def reduce_scatter(xs: list, *, dim: int, **_) -> list:
+def all_reduce(xs: list, **_) -> list:
     acc = np.asarray(xs[0], F32)
     for x in xs[1:]:
         acc = acc + np.asarray(x, F32)
-    return np.split(acc, len(xs), axis=dim)
+    return [acc] * len(xs)
+
+
+def reduce_scatter(xs: list, *, dim: int, **_) -> list:
+    return np.split(all_reduce(xs)[0], len(xs), axis=dim)
 
 
 def mesh_partition(xs: list, *, dim: int, **_) -> list:
     return [np.split(np.asarray(x), len(xs), axis=dim)[j] for j, x in enumerate(xs)]
 
 
-CCL = {"ttnn.all_gather": all_gather, "ttnn.reduce_scatter": reduce_scatter, "ttnn.mesh_partition": mesh_partition}
+CCL = {"ttnn.all_gather": all_gather, "ttnn.reduce_scatter": reduce_scatter, "ttnn.all_reduce": all_reduce,
+       "ttnn.mesh_partition": mesh_partition}
+
+
+def groups(shape: tuple[int, int], axis: int) -> list[list[int]]:
+    """Device indices (row-major) of each line of the mesh along `axis`: the devices one CCL call spans."""
+    rows, cols = shape
+    if axis == 1:
+        return [[r * cols + c for c in range(cols)] for r in range(rows)]
+    return [[r * cols + c for r in range(rows)] for c in range(cols)]
 
 
 # --------------------------------------------------------------------------------------- executor
 class MeshExecutor(Executor):
-    """`Executor` over a 1-D mesh of `mesh` devices (an int N or (1, N)): same API, same logical KV caches."""
+    """`Executor` over a mesh (an int N, (1, N), or a 2-D (rows, cols)): same API, same logical KV caches."""
 
     def __init__(self, model, mesh, *, numerics: str = "full", policy="performance", max_seq_len: int = 8192,
                  block_size: int = 32):
@@ -115,18 +125,22 @@ class MeshExecutor(Executor):
             raise ValueError(f"program inputs are {sorted(prog.inputs)}, got {sorted(inputs)}")
         if len(kv_cache) != self.config.num_layers:
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {self.config.num_layers}")
-        n, axis = self.n, prog.meta["mesh"]["cluster_axis"]
-        k = self.config.num_kv_heads // n
+        rows, cols = self.mesh_shape
+        heads_axis = prog.meta["mesh"].get("heads_axis", 1)
+        k = self.config.num_kv_heads // self.mesh_shape[heads_axis]
         devices = self._device_weights(prog)
-        for j, t in enumerate(devices):
+        for d, t in enumerate(devices):
             t |= {name: np.asarray(v) for name, v in inputs.items()}  # ReplicateTensorToMesh
-            for i, (kc, vc) in enumerate(kv_cache):  # views: device j's KV heads of the logical cache
+            j = d // cols if heads_axis == 0 else d % cols  # the device's place along the heads axis
+            for i, (kc, vc) in enumerate(kv_cache):  # views: the device's KV heads of the logical cache
                 t[f"kv.{i}.k"], t[f"kv.{i}.v"] = kc[:, j * k:(j + 1) * k], vc[:, j * k:(j + 1) * k]
         env = Env(self.level, lambda x, dt: self._store(x, dt, "device"), self.kv_dtype, owners)
         for idx, c in enumerate(prog.calls):
             if c.op in CCL:
-                _check_axis(axis, c.kwargs)
-                results = [(r,) for r in CCL[c.op]([t[c.inputs[0]] for t in devices], **c.kwargs)]
+                results = [None] * len(devices)
+                for group in groups(self.mesh_shape, c.kwargs["cluster_axis"]):
+                    for d, r in zip(group, CCL[c.op]([devices[d][c.inputs[0]] for d in group], **c.kwargs)):
+                        results[d] = (r,)
             else:
                 fn = OPS.get(c.op)
                 if fn is None:
@@ -143,8 +157,16 @@ class MeshExecutor(Executor):
         out = dict(devices[0])
         name = prog.outputs[0]
         composer = prog.meta["mesh"]["output"]
-        if composer is not None:  # ConcatMeshToTensor(dim), then the vocab padding dropped
-            full = np.concatenate([t[name] for t in devices], axis=composer["dim"])
+        if composer is not None:  # Concat(Mesh2d)ToTensor, then one copy of replicated rows, the vocab padding dropped
+            if composer["mesh_composer"] == "ttnn.ConcatMeshToTensor":
+                full = np.concatenate([t[name] for t in devices], axis=composer["dim"])
+            else:
+                d_row, d_col = composer["dims"]
+                by_row = [np.concatenate([devices[r * cols + c][name] for c in range(cols)], axis=d_col)
+                          for r in range(rows)]
+                full = np.concatenate(by_row, axis=d_row)
+                if composer.get("rows_replicated"):
+                    full = np.take(full, [0], axis=d_row)
             width = composer.get("logical_width")
             out[name] = full if width is None else full[..., :width]
         return out
