@@ -113,14 +113,15 @@ def test_mesh_equals_single_device(family, n):
     assert d0["layers.0.wqkv"].size * devices(n) == ex.host["layers.0.wqkv"].size
 
 
-def test_full_numerics_stay_close_to_one_device():
+@pytest.mark.parametrize("mesh", [2, (2, 4)])
+def test_full_numerics_stay_close_to_one_device(mesh):
     """At TT numerics (bf16 partial sums, bfp weights per shard) the mesh stays PCC-close to one device."""
-    m = model(config("llama", 2))
+    m = model(config("llama", mesh))
     tokens = np.random.default_rng(5).integers(0, 256, 36)
     blocks = np.arange(3, dtype=np.int32)
     pol = POLICIES["performance"]
     single, _ = run(Executor(m, numerics="full", policy=pol, max_seq_len=128), tokens, 33, blocks)
-    multi, _ = run(MeshExecutor(m, 2, numerics="full", policy=pol, max_seq_len=128), tokens, 33, blocks)
+    multi, _ = run(MeshExecutor(m, mesh, numerics="full", policy=pol, max_seq_len=128), tokens, 33, blocks)
     ok, pcc = comp_pcc(single, multi, 0.999)
     assert ok, pcc
     assert (single.argmax(-1) == multi.argmax(-1)).mean() >= 0.9
@@ -301,6 +302,10 @@ def test_data_parallel_submeshes_with_tensor_parallelism():
         ref = np.asarray(jm.forward(m, seqs[s][None]))[0]
         np.testing.assert_allclose(logits[s, 0], ref[n - 1], atol=2e-5, rtol=0)
         np.testing.assert_allclose(out[s, 0], ref[n], atol=2e-5, rtol=0)
+    # without data parallelism the generator hands over the whole mesh: a 2-D one runs the 2-D (TG) layout
+    whole = G.LlamaForCausalLM.initialize_vllm_model(cfg, G.EmulatedMesh((2, 2)), 4, 128,
+                                                     executor_factory=executor_factory(m, numerics="exact"))
+    assert [x.executor.mesh_shape for x in whole.model] == [(2, 2)]
 
 
 def test_one_device_mesh_is_the_program_itself():

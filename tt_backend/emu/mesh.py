@@ -22,8 +22,8 @@ copy of replicated rows) and the LM head's padding dropped.
 
 Data parallel x tensor parallel, as tt-metal's generator_vllm: `executor_factory(model)` is a
 `tt_backend.generator.initialize_vllm_model(executor_factory=...)` factory: each data-parallel submesh gets a
-`MeshVLLMExecutor` over its own devices (tt-metal reshapes every submesh to (1, n/dp)); `data_parallel(model,
-mesh, dp)` builds the same executors directly.
+`MeshVLLMExecutor` over its own devices, in the submesh's shape; `data_parallel(model, mesh, dp)` builds one per
+(1, n/dp) submesh directly, as tt-metal's `create_submeshes`.
 """
 from __future__ import annotations
 
@@ -182,20 +182,21 @@ class MeshVLLMExecutor(VLLMExecutor):
         self.config = model.config
 
 
-def _devices(submesh) -> int:
+def _shape(submesh) -> tuple[int, int]:
     shape = getattr(submesh, "shape", submesh)
-    return int(shape) if isinstance(shape, (int, np.integer)) else int(np.prod(shape))
+    return (1, int(shape)) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
 
 
 def executor_factory(model, *, numerics: str = "full", policy=None, block_size: int = 32):
     """For `tt_backend.generator.initialize_vllm_model(mesh_device=EmulatedMesh((rows, cols)),
-    tt_data_parallel=dp, executor_factory=...)`: every submesh runs tensor parallel over its own n/dp devices
-    (a (1, n/dp) mesh, as tt-metal reshapes submeshes)."""
+    tt_data_parallel=dp, executor_factory=...)`: every submesh runs tensor parallel over its own devices, in the
+    submesh's own shape (tt-metal hands dp > 1 submeshes over as (1, n/dp) rings and, with dp = 1, the whole
+    mesh: a Galaxy's 8x4 then runs the 2-D TG layout)."""
 
     def make(config, submesh, max_batch_size, max_seq_len, optimizations="performance"):
         check_decode_batch(max_batch_size)
         pol = policy or (optimizations if isinstance(optimizations, str) else "performance")
-        return MeshVLLMExecutor(first_layers(model, config), (1, _devices(submesh)), numerics=numerics, policy=pol,
+        return MeshVLLMExecutor(first_layers(model, config), _shape(submesh), numerics=numerics, policy=pol,
                                 max_seq_len=max_seq_len, block_size=block_size)
 
     return make
