@@ -394,3 +394,13 @@ def test_galaxy_placement_is_tt_transformers_tg():
     assert prog.tensors["kv.0.k"].shape == (None, 1, 32, 32) and prog.tensors["x0"].shape == (1, 1, 4, 64)
     assert prog.meta["mesh"]["output"] == {"mesh_composer": "ttnn.ConcatMesh2dToTensor", "mesh_shape": [8, 4],
                                            "dims": [1, 3], "rows_replicated": True}
+
+
+def test_an_op_without_a_rule_is_refused():
+    """A call the transform has no placement rule for (e.g. a future DeepSeek op) fails loudly, never replicated."""
+    prog = lower(config("llama", 2), prefill_len=128, batch=1, max_seq_len=256).decode
+    i = next(k for k, c in enumerate(prog.calls) if c.op == "ttnn.rms_norm")
+    calls = list(prog.calls)
+    calls[i] = dataclasses.replace(calls[i], op="ttnn.experimental.new_op")
+    with pytest.raises(NotImplementedError, match="no rule for ttnn.experimental.new_op"):
+        tp.shard_program(dataclasses.replace(prog, calls=calls), 2)
