@@ -220,6 +220,38 @@ def test_prefix_cache_hit_gives_the_same_tokens(models, name, cls):
     _check(model, [prompt_b], [toks])
 
 
+def test_prefix_cache_hit_at_tt_numerics(models):
+    """At `full` numerics (bfp8 KV cache, bf16 activations, the performance policy) a prefix-cache hit gives the
+    cold prefill's logits and the same greedy continuation: the cached blocks hold what the cold prefill stores."""
+    model = models["llama"]
+    prompt_a, tail = _prompts([150, 45], model.config.vocab_size, seed=6)
+    prompt_b, new = prompt_a[:96] + tail, 8
+    runs = []
+    for warm in (True, False):
+        gen = G.LlamaForCausalLM.initialize_vllm_model(None, G.EmulatedMesh((1, 1)), 2, 256, model=model,
+                                                       numerics="full")
+        pool = Pool(gen, 40, seed=7)
+        pool.add("a", len(prompt_a))
+        pool.add("b", len(prompt_b) + new, shared=("a", 3) if warm else None)
+        gen.track_block_ownership([pool.alloc], ["a", "b"])
+        tables = pool.tables(["a", "b"])
+        if warm:
+            gen.prefill_forward(np.array([prompt_a]), kv_cache=pool.kv, prompt_lens=[len(prompt_a)], empty_slots=[0],
+                                page_tables_per_layer=[t[:1] for t in tables])
+        lg = gen.prefill_forward(np.array([prompt_b]), kv_cache=pool.kv, prompt_lens=[len(prompt_b)], empty_slots=[1],
+                                 page_tables_per_layer=[t[1:] for t in tables], start_pos=[96] if warm else None)
+        steps, toks = [lg[0, 0]], [int(lg[0, 0].argmax())]
+        for t in range(new - 1):
+            out = gen.decode_forward(np.array([0, toks[-1]]), np.array([-1, len(prompt_b) + t]), kv_cache=pool.kv,
+                                     page_tables_per_layer=tables, enable_trace=False)
+            steps.append(out[1, 0])
+            toks.append(int(out[1, 0].argmax()))
+        runs.append((toks, np.stack(steps)))
+    (warm_toks, warm_logits), (cold_toks, cold_logits) = runs
+    assert warm_toks == cold_toks and len(set(cold_toks)) > new // 2
+    np.testing.assert_allclose(warm_logits, cold_logits, rtol=1e-5, atol=1e-5)
+
+
 def test_vllm_surface_with_the_default_executor(models):
     """What vLLM reads and calls: capabilities, n_layers (the first layers of the model), DP submeshes."""
     model = models["llama"]
