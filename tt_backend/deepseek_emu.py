@@ -124,44 +124,67 @@ def _layer_weight(p, parts, shape, n):
     return t.reshape(shape)  # [in, out] matrices, [E, in, out] experts, [G, i, r] wo_a: leading unit dims only
 
 
-def inputs(cfg, params, tokens, S: int, prog: TTProgram) -> dict[str, np.ndarray]:
-    """The program's host inputs for one prompt (tokens [T]) padded to S rows."""
-    T = len(tokens)
-    ids = np.zeros((1, S), np.uint32)
-    ids[0, :T] = tokens
-    q = np.arange(S)[:, None]
-    out = {"tokens": ids, "rope_pos": np.arange(S, dtype=np.uint32)[None]}
+def inputs(cfg, params, histories, positions, prog: TTProgram, tables: dict) -> dict[str, np.ndarray]:
+    """The program's host inputs. Prefill: one user, histories = [prompt], positions = 0..S-1 (the prompt padded to
+    S rows). Decode: one row per user, histories[b] = that user's tokens up to and including the new one,
+    positions[b] its position. tables: {1: token page table [users, W], r: entry page table per ratio}.
+
+    Masks are [rows, n] rules laid out as the program declares them ([1, 1, S, n] prefill, [B, 1, 1, n] decode)."""
+    decode = prog.mode == "decode"
+    q = np.asarray(positions)[:, None]  # [rows, 1]
+    rows = q.shape[0]
+    if decode:
+        ids = np.array([h[-1] for h in histories], np.uint32)[None]
+    else:
+        ids = np.zeros((1, rows), np.uint32)
+        ids[0, :len(histories[0])] = histories[0]
+    out = {"tokens": ids, "rope_pos": q[:, 0].astype(np.uint32)[None]}
     for name in prog.inputs:
         if name in out:
             continue
+        shape = prog.tensors[name].shape
         kind, _, rest = name.partition(".")
-        if kind == "mask":  # the sliding window: the query and the W-1 keys before it
-            W = int(rest[1:])
-            k = np.arange(S)[None]
-            out[name] = np.where((k <= q) & (k > q - W), 0.0, MASKED).astype(F32)[None, None]
-        elif kind == "rope_pos":
-            r = int(rest[1:])
-            out[name] = (np.arange(S // r) * r).astype(np.uint32)[None]
+        r = int(rest.split(".")[0][1:]) if kind in ("rope_pos", "vis", "visadd", "newest", "blockvis", "cidx", "cown",
+                                                    "cprev", "posmod") else 1
+        n = shape[-1] if kind in ("mask", "vis", "visadd", "newest", "blockvis") else None
+        if kind == "page_table":
+            out[name] = tables[int(rest[1:]) if rest else 1]
+            continue
+        if kind == "cur_pos":
+            v = q[:, 0].astype(np.int32)
+        elif kind == "mask":  # the sliding window: the query and the W-1 keys before it
+            W, k = int(rest[1:]), np.arange(n)[None]
+            v = np.where((k <= q) & (k > q - W), 0.0, MASKED)
+        elif kind == "rope_pos":  # a compressed entry stands at its group's first position
+            v = (np.arange(shape[-1]) * r if not decode else q[:, 0] // r * r).astype(np.uint32)[None]
         elif kind in ("vis", "visadd", "newest", "blockvis"):
-            r = int(rest.split(".")[0][1:])
-            N = S // r
-            count = np.minimum((q + 1) // r, N)  # compressed entries complete for each query
-            vis = np.arange(N)[None] < count
+            count = (q + 1) // r  # compressed entries complete for each query
+            vis = np.arange(n if kind in ("vis", "visadd") else n * int(rest.split(".")[1][1:]))[None] < count
             if kind == "vis":
-                out[name] = vis.astype(F32)[None, None]
+                v = vis
             elif kind == "visadd":
-                out[name] = np.where(vis, 0.0, MASKED).astype(F32)[None, None]
+                v = np.where(vis, 0.0, MASKED)
             else:
                 cb = int(rest.split(".")[1][1:])
-                blocks = np.arange(N // cb)[None]
-                if kind == "blockvis":
-                    out[name] = (blocks * cb < count).astype(F32)[None, None]
-                else:
-                    out[name] = np.where((blocks == (count - 1) // cb) & (count > 0), BIG, 0.0).astype(F32)[None, None]
+                blocks = np.arange(n)[None]
+                v = (blocks * cb < count) if kind == "blockvis" else np.where(
+                    (blocks == (count - 1) // cb) & (count > 0), BIG, 0.0)
+        elif kind == "cidx":  # the entry a decode step completes, -1 where its group is still filling
+            v = np.where((q[:, 0] + 1) % r == 0, q[:, 0] // r, -1).astype(np.int32)
+        elif kind in ("cown", "cprev"):  # rows of the group ending at the token (and the group before it)
+            j = np.arange(shape[2])[None]
+            hi = q if kind == "cown" else q - r
+            v = np.where((j <= hi) & (j > hi - r), 0.0, MASKED)
+        elif kind == "posmod":  # one-hot slot of each token in its group
+            v = np.arange(r)[None] == (q % r)
         elif kind == "engram":
-            out[name] = _engram_cols(cfg, params, ids[0], int(rest.split(".")[1]))
+            e = int(rest.split(".")[1])
+            v = (np.concatenate([_engram_cols(cfg, params, np.asarray(h), e)[-1:] for h in histories]) if decode
+                 else _engram_cols(cfg, params, ids[0], e)).reshape(1, -1).astype(np.uint32)
         else:
             raise KeyError(f"no host rule for input {name!r}")
+        v = np.asarray(v)
+        out[name] = (v.astype(F32) if v.dtype == bool or v.dtype.kind == "f" else v).reshape(shape)
     return out
 
 
@@ -173,51 +196,102 @@ def _engram_cols(cfg, params, ids, e: int) -> np.ndarray:
     cmap = np.asarray(params["engram_map"])
     layout = engram.EngramLayout.from_config(g.layer_ids, g.max_ngram, g.vocab_size, g.n_heads, g.compressed_vocab)
     cols = np.asarray(engram.ngram_hashes(cmap[ids.astype(np.int64)][None], layout, cmap[g.pad_token]))
-    return cols[0, :, e].reshape(1, -1).astype(np.uint32)
+    return cols[0, :, e]  # [T, C]
 
 
 class DeepSeekEmulator:
-    """The DeepSeek prefill program on the NumPy emulator (numerics exact | storage | full, see emu.numerics)."""
+    """DeepSeek's prefill and decode programs on the NumPy emulator (numerics exact | storage | full, see
+    emu.numerics), over paged caches: user b owns blocks b*W .. (b+1)*W - 1 of every cache (W: its page-table
+    width, token- or entry-indexed)."""
 
-    def __init__(self, model, *, numerics: str = "exact", policy: str = "performance", max_seq_len: int = 1024):
+    def __init__(self, model, *, numerics: str = "exact", policy: str = "performance", max_seq_len: int = 1024,
+                 block_size: int = 32, users: int = 1):
         self.model, self.cfg, self.level = model, model.config, num.check_level(numerics)
-        self.policy, self.max_seq_len = policy, max_seq_len
-        self._weights = None
+        self.policy, self.max_seq_len, self.bs, self.users = policy, max_seq_len, block_size, users
+        self._weights, self.caches, self.history = None, {}, [[] for _ in range(users)]
 
     def _store(self, x, dtype: str, mode: str):
         if self.level == "exact":
             return np.asarray(x, F32) if np.asarray(x).dtype.kind == "f" else x
         return num.quantize(x, dtype, "host" if self.level == "storage" else mode)
 
-    def program(self, T: int) -> TTProgram:
-        return lower(self.cfg, prefill_len=T, max_seq_len=self.max_seq_len, policy=self.policy).prefill
+    def programs(self, T: int, B: int = 1):
+        return lower(self.cfg, prefill_len=T, batch=B, max_seq_len=self.max_seq_len, block_size=self.bs,
+                     policy=self.policy)
 
-    def prefill(self, tokens, return_all: bool = False):
-        tokens = np.asarray(tokens).reshape(-1)
-        T, S = len(tokens), padded_prefill_len(len(tokens))
-        prog = self.program(T)
-        specs = {k: s for k, s in prog.tensors.items() if s.kind == "weight"}
-        if self._weights is None:
-            host = prepare(self.cfg, self.model.params, specs)
-            self._weights = {k: self._store(v, specs[k].dtype, "host") for k, v in host.items()}
+    def program(self, T: int) -> TTProgram:
+        return self.programs(T).prefill
+
+    def _width(self, r: int) -> int:
+        return -(-(self.max_seq_len // r) // self.bs)
+
+    def _tables(self, users) -> dict:
+        ratios = {1} | {s.attention.mla.ratio for s in self.cfg.layers if s.attention.mla.ratio}
+        return {r: np.stack([u * self._width(r) + np.arange(self._width(r)) for u in users]).astype(np.int32)
+                for r in ratios}
+
+    def _ratio(self, cache_name: str) -> int:
+        i, kind = cache_name.split(".")[1:3]
+        return self.cfg.layers[int(i)].attention.mla.ratio if kind in ("cmp", "ikeys") else 1
+
+    def _run(self, prog: TTProgram, host: dict) -> dict:
+        self._weights = self._weights or {}
+        specs = {k: s for k, s in prog.tensors.items() if s.kind == "weight" and k not in self._weights}
+        if specs:  # prepared once; decode adds shape-dependent constants (the candidate expansion over the cache)
+            w = prepare(self.cfg, self.model.params, specs)
+            self._weights |= {k: self._store(v, specs[k].dtype, "host") for k, v in w.items()}
         t = dict(self._weights)
-        for k, v in inputs(self.cfg, self.model.params, tokens, S, prog).items():
-            s = prog.tensors[k]
-            t[k] = self._store(v, s.dtype, "host") if np.asarray(v).dtype.kind == "f" else v
+        for name, s in prog.tensors.items():
+            if s.kind == "state":
+                if name not in self.caches:
+                    nb = self.users * self._width(self._ratio(name))
+                    self.caches[name] = np.zeros((nb, *s.shape[1:]), F32)
+                t[name] = self.caches[name]
+        for k, v in host.items():
+            t[k] = self._store(v, prog.tensors[k].dtype, "host") if np.asarray(v).dtype.kind == "f" else v
         env = Env(self.level, lambda x, dt: self._store(x, dt, "device"))
         for n, c in enumerate(prog.calls):
             fn = OPS.get(c.op)
             if fn is None:
                 raise NotImplementedError(f"call {n}: the emulator has no {c.op}")
+            if c.op == "ttnn.experimental.paged_update_cache":  # the op repacks rows into the cache's own dtype
+                env.kv_dtype = prog.tensors[c.inputs[0]].dtype if self.level != "exact" else "ttnn.float32"
             kw = {k: _resolve(v, t) for k, v in c.kwargs.items()}
-            res = fn(env, *[t[x] for x in c.inputs], **kw)
+            try:
+                res = fn(env, *[t[x] for x in c.inputs], **kw)
+            except Exception as e:
+                raise type(e)(f"call {n} {c.op} {c.inputs} -> {c.outputs}: {e}") from e
             res = (res,) if len(c.outputs) == 1 else res
             for name, val in zip(c.outputs, res):
                 t[name] = self._store(val, prog.tensors[name].dtype, "device")
-        if return_all:
-            return t
+        return t
+
+    def prefill(self, tokens, user: int = 0, return_all: bool = False):
+        """One user's prompt -> logits [T, vocab]; fills that user's caches."""
+        tokens = np.asarray(tokens).reshape(-1)
+        T, S = len(tokens), padded_prefill_len(len(tokens))
+        prog = self.programs(T).prefill
+        self.history[user] = list(tokens)
+        host = inputs(self.cfg, self.model.params, [tokens], np.arange(S), prog,
+                      {r: v for r, v in self._tables([user]).items()})
+        t = self._run(prog, host)
         x = t[prog.outputs[0]]
-        return np.asarray(x, F32).reshape(-1, x.shape[-1])[:T]
+        return t if return_all else np.asarray(x, F32).reshape(-1, x.shape[-1])[:T]
+
+    def decode(self, tokens, positions, return_all: bool = False):
+        """One token per user (users 0..B-1) at `positions` -> logits [B, vocab]; caches updated in place."""
+        tokens, positions = np.asarray(tokens).reshape(-1), np.asarray(positions).reshape(-1)
+        B = len(tokens)
+        prog = self.programs(1, B).decode
+        for b in range(B):
+            if len(self.history[b]) != positions[b]:
+                raise ValueError(f"user {b}: position {positions[b]} after {len(self.history[b])} tokens")
+            self.history[b].append(int(tokens[b]))
+        host = inputs(self.cfg, self.model.params, [np.asarray(self.history[b]) for b in range(B)], positions, prog,
+                      self._tables(range(B)))
+        t = self._run(prog, host)
+        x = t[prog.outputs[0]]
+        return t if return_all else np.asarray(x, F32).reshape(-1, x.shape[-1])
 
 
 def _resolve(v, t):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmodels.config import ModelConfig
-from tt_backend.lowering import (BF16, BFP8, DRAM, F32, MASKED, RM, TILE, TILE_L, U16, U32, TTConstraintError, _Builder,
+from tt_backend.lowering import (BF16, BFP8, DRAM, F32, I32, check_decode_batch, MASKED, RM, TILE, TILE_L, U16, U32, TTConstraintError, _Builder,
                                  _cc, check_program, padded_prefill_len)
 from tt_backend.program import Ref, TTModelProgram, TTProgram
 from tt_backend.weights import HIFI2, HIFI4, Precision, policy as get_policy
@@ -72,11 +72,60 @@ def check(cfg: ModelConfig, S: int) -> None:
 class _DS:
     """Emits one DeepSeek prefill program (rows S) into a `lowering._Builder`."""
 
-    def __init__(self, cfg: ModelConfig, prec: Precision, S: int, max_seq_len: int):
-        self.cfg, self.prec, self.S, self.max_seq_len = cfg, prec, S, max_seq_len
-        self.b = _Builder(cfg, prec, "prefill")
+    def __init__(self, cfg: ModelConfig, prec: Precision, S: int, max_seq_len: int, mode: str = "prefill",
+                 block_size: int = 32):
+        # S: the rows of the program (prefill: the padded prompt of one user; decode: one token of each of S users)
+        self.cfg, self.prec, self.S, self.max_seq_len, self.mode, self.bs = cfg, prec, S, max_seq_len, mode, block_size
+        self.decode = mode == "decode"
+        self.users = S if self.decode else 1
+        self.b = _Builder(cfg, prec, "prefill")  # DRAM activations in both modes (no sharded decode layouts yet)
         self.inputs: list[str] = []
         self.state: dict[str, str] = {}  # what kv/index sources publish for later layers (tensor names)
+
+    # -- paged caches: token-indexed ("page_table") or entry-indexed per ratio ("page_table.r<r>")
+    def table(self, r: int = 1) -> str:
+        name = "page_table" if r == 1 else f"page_table.r{r}"
+        width = -(-(self.max_seq_len // r) // self.bs)
+        return mask_input(self, name, (self.users, width), I32, RM)
+
+    def cache(self, name, width, dtype=None):
+        if name not in self.b.tensors:
+            self.b.tensor(name, (None, 1, self.bs, width), dtype or self.prec.kv_cache, TILE_L, DRAM, "state")
+        return name
+
+    def fill(self, cache, x, r=1):
+        """Prefill: rows x [1,1,n,w] into the cache through the user's page-table row (raw tile copy: the cache's
+        dtype first)."""
+        spec = self.b.tensors[cache]
+        shape = self.b.tensors[x].shape
+        if shape[2] % TILE:  # fill copies whole tiles: pad a short run of entries (ratio 128: one per prompt)
+            rows = -(-shape[2] // TILE) * TILE
+            x = self.op("ttnn.pad", [x], {"padding": [[0, 0], [0, 0], [0, rows - shape[2]], [0, 0]], "value": 0.0},
+                        x + ".pad", (*shape[:2], rows, shape[3]), self.b.tensors[x].dtype)
+        if self.b.tensors[x].dtype != spec.dtype:
+            x = self.op("ttnn.typecast", [x], {"dtype": spec.dtype}, x + ".tc", self.b.tensors[x].shape, spec.dtype)
+        self.b.call("ttnn.experimental.paged_fill_cache", [cache, x, self.table(r)], {"batch_idx": 0}, (), ())
+
+    def update(self, cache, x, idx, r=1):
+        """Decode: one row per user x [1,1,B,w] written at idx [B] (-1 skips the user)."""
+        B, w = self.S, self.b.tensors[x].shape[-1]
+        row = self.reshape(x, (1, B, 1, w), x + ".row", self.b.tensors[x].dtype if self.b.tensors[x].dtype == F32 else BF16)
+        self.b.call("ttnn.experimental.paged_update_cache", [cache, row],
+                    {"update_idxs_tensor": Ref(idx), "page_table": Ref(self.table(r))}, (), ())
+
+    def gather(self, cache, r, out):
+        """Decode: every user's cached rows as [B, 1, L, w] (ttnn.embedding over the page table reads whole
+        blocks); what a query may see is decided by masks."""
+        B, w, bs = self.S, self.b.tensors[cache].shape[-1], self.bs
+        tab = self.table(r)
+        Wp = self.b.tensors[tab].shape[1]
+        flat = self.op("ttnn.reshape", [cache], {"shape": [-1, bs * w]}, out + ".flat", (None, bs * w),
+                       self.b.tensors[cache].dtype)
+        rm = F32 if self.b.tensors[cache].dtype == F32 else BF16  # bfp formats exist only in tiles
+        flat = self.b.call("ttnn.to_layout", [flat], {"layout": RM, "dtype": rm}, out + ".rm", (None, bs * w), rm, RM)
+        rows = self.op("ttnn.embedding", [tab, flat], {"layout": TILE_L, "dtype": F32}, out + ".rows",
+                       (B, Wp, bs * w), F32)
+        return self.reshape(rows, (B, 1, Wp * bs, w), out, F32)
 
     # -- small emitters
     def op(self, op, inputs, kwargs, out, shape, dtype=BF16):
@@ -223,6 +272,10 @@ class _DS:
         return X, pF
 
     # -- attention
+    def rowshape(self, n):
+        """Per-query masks over n keys: prefill [1, 1, S, n] (queries are rows), decode [B, 1, 1, n] (one per user)."""
+        return (self.S, 1, 1, n) if self.decode else (1, 1, self.S, n)
+
     def attention(self, i, h):
         cfg, spec, S, D = self.cfg, self.cfg.layers[i], self.S, self.cfg.hidden_size
         a, m = spec.attention, spec.attention.mla
@@ -240,40 +293,51 @@ class _DS:
         kv = self.linear(h, self.w(f"{L}.wkv", (1, 1, D, d), prec.wqkv), f"{nm}.kv_l", (1, 1, S, d))
         kv = self.rms(kv, self.w(f"{L}.kv_norm", (1, 1, 1, d), BF16, RM), f"{nm}.kv_n", (1, 1, S, d))
         kv = self.rope(kv, (1, 1, S, d), a.rope, "rope_pos", S, f"{nm}.kv")
+        win = self.cache(f"kv.{i}.window", d)
+        if self.decode:  # the token's row into the window cache, then every user's cached rows
+            self.update(win, kv, mask_input(self, "cur_pos", (S,), I32, RM))
+            kv = self.gather(win, 1, f"{nm}.win")  # [B, 1, L, d]
+            q = self.permute(q, (2, 1, 0, 3), f"{nm}.qd", (S, H, 1, d))  # one query row per user
+        else:
+            self.fill(win, kv)
+        qs = self.b.tensors[q].shape[:3]
         scale = d ** -0.5
-        zw = self.matmul(q, kv, f"{nm}.zw_raw", (1, H, S, S), F32, transpose_b=True)
-        zw = self.scal("ttnn.mul", zw, scale, f"{nm}.zw_s", (1, H, S, S), F32)
-        zw = self.bin("ttnn.add", zw, mask_input(self, f"mask.w{a.window}", (1, 1, S, S)), f"{nm}.zw", (1, H, S, S),
-                      F32)
+        nw = self.b.tensors[kv].shape[2]
+        zw = self.matmul(q, kv, f"{nm}.zw_raw", (*qs, nw), F32, transpose_b=True)
+        zw = self.scal("ttnn.mul", zw, scale, f"{nm}.zw_s", (*qs, nw), F32)
+        wmask = mask_input(self, f"mask.w{a.window}", self.rowshape(nw))
+        zw = self.bin("ttnn.add", zw, wmask, f"{nm}.zw", (*qs, nw), F32)
         blocks, values = [zw], [kv]
         if m.ratio:
-            r, N = m.ratio, S // m.ratio
+            r = m.ratio
             if m.compress:
                 self.compressor(i, h)
             if m.select == "indexer":
                 self.indexer(i, h, qr)
             kvc = self.state["kv"]
-            if m.select == "all":
-                sel = mask_input(self, f"vis.r{r}", (1, 1, S, N))
-            else:
-                sel = self.state["topk"]
-            add = self.scal("ttnn.add", sel, -1.0, f"{nm}.sel_m1", (1, 1, S, N), F32)
-            add = self.scal("ttnn.mul", add, BIG, f"{nm}.sel_add", (1, 1, S, N), F32)
-            zc = self.matmul(q, kvc, f"{nm}.zc_raw", (1, H, S, N), F32, transpose_b=True)
-            zc = self.scal("ttnn.mul", zc, scale, f"{nm}.zc_s", (1, H, S, N), F32)
-            blocks.append(self.bin("ttnn.add", zc, add, f"{nm}.zc", (1, H, S, N), F32))
+            N = self.b.tensors[kvc].shape[2]
+            sel = mask_input(self, f"vis.r{r}", self.rowshape(N)) if m.select == "all" else self.state["topk"]
+            add = self.scal("ttnn.add", sel, -1.0, f"{nm}.sel_m1", self.rowshape(N), F32)
+            add = self.scal("ttnn.mul", add, BIG, f"{nm}.sel_add", self.rowshape(N), F32)
+            zc = self.matmul(q, kvc, f"{nm}.zc_raw", (*qs, N), F32, transpose_b=True)
+            zc = self.scal("ttnn.mul", zc, scale, f"{nm}.zc_s", (*qs, N), F32)
+            blocks.append(self.bin("ttnn.add", zc, add, f"{nm}.zc", (*qs, N), F32))
             values.append(kvc)
-        sink = self.op("ttnn.repeat", [self.w(f"{L}.sinks", (1, H, 1, 1), F32)], {"repeat_dims": [1, 1, S, 1]},
-                       f"{nm}.sinkcol", (1, H, S, 1), F32)
+        reps = [S, 1, 1, 1] if self.decode else [1, 1, S, 1]
+        sink = self.op("ttnn.repeat", [self.w(f"{L}.sinks", (1, H, 1, 1), F32)], {"repeat_dims": reps},
+                       f"{nm}.sinkcol", (*qs, 1), F32)
         width = sum(self.b.tensors[z].shape[-1] for z in blocks)
         z = self.op("ttnn.concat", [], {"tensors": [Ref(x) for x in blocks + [sink]], "dim": -1}, f"{nm}.z",
-                    (1, H, S, width + 1), F32)
+                    (*qs, width + 1), F32)
         pr = self.op("ttnn.softmax", [z], {"dim": -1, "numeric_stable": True,
-                                           "compute_kernel_config": _cc(prec.sdpa)}, f"{nm}.p", (1, H, S, width + 1))
-        pr = self.slice(pr, (0, 0, 0, 0), (1, H, S, width), f"{nm}.pv")
+                                           "compute_kernel_config": _cc(prec.sdpa)}, f"{nm}.p", (*qs, width + 1))
+        pr = self.slice(pr, (0, 0, 0, 0), (*qs, width), f"{nm}.pv")
+        vb = self.b.tensors[values[0]].shape[0]
         v = values[0] if len(values) == 1 else self.op("ttnn.concat", [], {"tensors": [Ref(x) for x in values],
-                                                                            "dim": 2}, f"{nm}.v", (1, 1, width, d))
-        o = self.matmul(pr, v, f"{nm}.o", (1, H, S, d))
+                                                                            "dim": 2}, f"{nm}.v", (vb, 1, width, d))
+        o = self.matmul(pr, v, f"{nm}.o", (*qs, d))
+        if self.decode:
+            o = self.permute(o, (2, 1, 0, 3), f"{nm}.o_u", (1, H, S, d))
         o = self.rope(o, (1, H, S, d), a.rope, "rope_pos", S, f"{nm}.o_r", inverse=True)
         # grouped low-rank output: group g = heads g*H/G .. (g+1)*H/G - 1
         G, Ro = m.o_groups, m.o_lora_rank
@@ -284,21 +348,55 @@ class _DS:
         u = self.reshape(self.permute(u, (0, 2, 1, 3), f"{nm}.u_t", (1, S, G, Ro)), (1, 1, S, G * Ro), f"{nm}.u_f")
         return self.linear(u, self.w(f"{L}.wo_b", (1, 1, G * Ro, D), prec.wo), f"{nm}.out", (1, 1, S, D), prec.li_o)
 
-    def compress(self, h, L, nm, r, c, overlap, ape, rope, rope_width):
-        """A compressor over the prompt: (latent [1,1,N,c'], entries = RoPE(latent) at positions j*r).
+    def compress(self, h, L, nm, r, c, overlap, ape, rope, state):
+        """A compressor: (latent, entries = RoPE(latent) at the group's first position), [1, 1, n, c].
 
         Projections a = x wkv, gate = x wgate (+ V4's in-group position bias ape[pos % r]); each group of r tokens
         is pooled by a per-channel softmax over its slots. V4.1 ratio 1 has no gate (one slot: weight 1). With
-        overlap (V4 CSA; projections 2c' wide) entry j pools the previous group's first half of the channels and
-        its own group's second half (2r slots); group 0 has no previous group (gate -1e9: weight 0)."""
+        overlap (V4 CSA; projections 2c wide) entry j pools the previous group's first half of the channels and
+        its own group's second half (2r slots); group 0 has no previous group (gate -1e9: weight 0).
+        Prefill: n = S/r entries, the projections kept in the state caches `state` (+ ".a" / ".g") for decode.
+        Decode: the token's projections go into the state caches and the group ending at it is pooled from them
+        (masks select its rows: n = B, one entry per user, written by the caller only where a group completes)."""
         S, D = self.S, self.cfg.hidden_size
-        N = S // r
         width = 2 * c if overlap else c
         a = self.linear(h, self.w(f"{L}.wkv", (1, 1, D, width), F32), f"{nm}.a", (1, 1, S, width), self.prec.router,
                         F32)
         if r == 1 and not ape:
             pooled = a
+        elif self.decode:
+            g = self.linear(h, self.w(f"{L}.wgate", (1, 1, D, width), F32), f"{nm}.g", (1, 1, S, width),
+                            self.prec.router, F32)
+            if ape:
+                # the bias of each token's slot in its group: one-hot(pos % r) [1,1,B,r] @ ape [1,1,r,width]
+                onehot = mask_input(self, f"posmod.r{r}", (1, 1, S, r))
+                e = self.matmul(onehot, self.w(f"{L}.ape", (1, 1, r, width), F32), f"{nm}.ape", (1, 1, S, width), F32,
+                                cfg_op=HIFI4)
+                g = self.bin("ttnn.add", g, e, f"{nm}.gp", (1, 1, S, width), F32)
+            pos = mask_input(self, "cur_pos", (S,), I32, RM)
+            ca, cg = self.cache(state + ".a", width, F32), self.cache(state + ".g", width, F32)
+            self.update(ca, a, pos)
+            self.update(cg, g, pos)
+            A, G_ = self.gather(ca, 1, f"{nm}.A"), self.gather(cg, 1, f"{nm}.G")
+            Lr = self.b.tensors[A].shape[2]
+            own = mask_input(self, f"cown.r{r}", (S, 1, Lr, 1))  # 0 on the rows of the group ending here
+            if overlap:
+                prev = mask_input(self, f"cprev.r{r}", (S, 1, Lr, 1))  # 0 on the previous group's rows
+                halves = lambda t, tag: [self.slice(t, (0, 0, 0, 0), (S, 1, Lr, c), f"{nm}.{tag}1", F32),  # noqa: E731
+                                         self.slice(t, (0, 0, 0, c), (S, 1, Lr, width), f"{nm}.{tag}2", F32)]
+                cat = lambda ts, out: self.op("ttnn.concat", [], {"tensors": [Ref(x) for x in ts], "dim": 2},  # noqa
+                                              out, (S, 1, 2 * Lr, self.b.tensors[ts[0]].shape[-1]), F32)
+                A = cat(halves(A, "A"), f"{nm}.Acat")
+                G_ = cat(halves(G_, "G"), f"{nm}.Gcat")
+                own = cat([prev, own], f"{nm}.maskcat")
+            Ls = self.b.tensors[A].shape[2]
+            G_ = self.bin("ttnn.add", G_, own, f"{nm}.Gm", (S, 1, Ls, c), F32)
+            wv = self.op("ttnn.softmax", [G_], {"dim": 2, "numeric_stable": True}, f"{nm}.w", (S, 1, Ls, c), F32)
+            pv = self.bin("ttnn.mul", A, wv, f"{nm}.aw", (S, 1, Ls, c), F32)
+            pooled = self.reshape(self.op("ttnn.sum", [pv], {"dim": 2, "keepdim": True}, f"{nm}.sum", (S, 1, 1, c),
+                                          F32), (1, 1, S, c), f"{nm}.pooled", F32)
         else:
+            N = S // r
             g = self.linear(h, self.w(f"{L}.wgate", (1, 1, D, width), F32), f"{nm}.g", (1, 1, S, width),
                             self.prec.router, F32)
             a4 = self.reshape(a, (1, N, r, width), f"{nm}.a4", F32)
@@ -306,6 +404,8 @@ class _DS:
             if ape:
                 g4 = self.bin("ttnn.add", g4, self.w(f"{L}.ape", (1, 1, r, width), F32), f"{nm}.g4p", (1, N, r, width),
                               F32)
+            self.fill(self.cache(state + ".a", width, F32), a)
+            self.fill(self.cache(state + ".g", width, F32), self.reshape(g4, (1, 1, S, width), f"{nm}.gfill", F32))
             slots = r
             if overlap:
                 def halves(t, tag, fill):
@@ -329,31 +429,46 @@ class _DS:
             pv = self.bin("ttnn.mul", a4, wv, f"{nm}.aw", (1, N, slots, c), F32)
             pooled = self.reshape(self.op("ttnn.sum", [pv], {"dim": 2, "keepdim": True}, f"{nm}.sum", (1, N, 1, c),
                                           F32), (1, 1, N, c), f"{nm}.pooled", F32)
-        latent = self.rms(pooled, self.w(f"{L}.norm", (1, 1, 1, c), BF16, RM), f"{nm}.latent", (1, 1, N, c))
-        pos = mask_input(self, f"rope_pos.r{r}", (1, N), U32, RM)
-        return latent, self.rope(latent, (1, 1, N, c), rope, pos, N, f"{nm}.entries")
+        n = self.b.tensors[pooled].shape[2]
+        latent = self.rms(pooled, self.w(f"{L}.norm", (1, 1, 1, c), BF16, RM), f"{nm}.latent", (1, 1, n, c))
+        pos = mask_input(self, f"rope_pos.r{r}", (1, n), U32, RM)
+        return latent, self.rope(latent, (1, 1, n, c), rope, pos, n, f"{nm}.entries")
+
+    def publish(self, cache, rows, r, out):
+        """Compressed rows into their entry-indexed cache; returns what attention / the indexer read: the prompt's
+        entries (prefill), or every user's cached entries after this step's writes (decode)."""
+        if not self.decode:
+            self.fill(cache, rows, r)
+            return rows
+        self.update(cache, rows, mask_input(self, f"cidx.r{r}", (self.S,), I32, RM), r)
+        return self.gather(cache, r, out)
 
     def compressor(self, i, h):
         """kv source: this layer's compressed entries (and the latent its V4.1 indexer keys come from)."""
         m, a = self.cfg.layers[i].attention.mla, self.cfg.layers[i].attention
-        v4 = m.variant == "v4"
-        latent, entries = self.compress(h, f"layers.{i}.attn.compressor", f"l{i}.cmp", m.ratio, self.cfg.head_dim,
-                                        m.overlap, v4, a.rope, self.cfg.head_dim)
-        self.state["kv"], self.state["latent"] = entries, latent
+        d = self.cfg.head_dim
+        latent, entries = self.compress(h, f"layers.{i}.attn.compressor", f"l{i}.cmp", m.ratio, d, m.overlap,
+                                        m.variant == "v4", a.rope, f"kv.{i}.cstate")
+        self.state["kv"] = self.publish(self.cache(f"kv.{i}.cmp", d), entries, m.ratio, f"l{i}.cmp.all")
+        self.state["latent"] = latent
 
     def indexer(self, i, h, qr):
         cfg, m, S, D = self.cfg, self.cfg.layers[i].attention.mla, self.S, self.cfg.hidden_size
         rope = self.cfg.layers[i].attention.rope
         L, nm, r = f"layers.{i}.attn.indexer", f"l{i}.idx", m.ratio
-        HI, dI, N = m.index_heads, m.index_head_dim, S // m.ratio
+        HI, dI = m.index_heads, m.index_head_dim
         if m.index_keys == "latent":  # keys from this layer's pre-RoPE latent
-            k = self.linear(self.state["latent"], self.w(f"{L}.wk", (1, 1, cfg.head_dim, dI), BF16), f"{nm}.k_l",
-                            (1, 1, N, dI))
-            k = self.rms(k, self.w(f"{L}.k_norm", (1, 1, 1, dI), BF16, RM), f"{nm}.k_n", (1, 1, N, dI))
-            pos = mask_input(self, f"rope_pos.r{r}", (1, N), U32, RM)
-            self.state["index_k"] = self.rope(k, (1, 1, N, dI), rope, pos, N, f"{nm}.k")
+            lat = self.state["latent"]
+            n = self.b.tensors[lat].shape[2]
+            k = self.linear(lat, self.w(f"{L}.wk", (1, 1, cfg.head_dim, dI), BF16), f"{nm}.k_l", (1, 1, n, dI))
+            k = self.rms(k, self.w(f"{L}.k_norm", (1, 1, 1, dI), BF16, RM), f"{nm}.k_n", (1, 1, n, dI))
+            pos = mask_input(self, f"rope_pos.r{r}", (1, n), U32, RM)
+            k = self.rope(k, (1, 1, n, dI), rope, pos, n, f"{nm}.k")
+            self.state["index_k"] = self.publish(self.cache(f"kv.{i}.ikeys", dI), k, r, f"{nm}.k_all")
         elif m.index_keys == "compressor":  # V4: its own overlapped compressor at index_head_dim
-            _, self.state["index_k"] = self.compress(h, f"{L}.compressor", f"{nm}.cmp", r, dI, True, True, rope, dI)
+            _, k = self.compress(h, f"{L}.compressor", f"{nm}.cmp", r, dI, True, True, rope, f"kv.{i}.istate")
+            self.state["index_k"] = self.publish(self.cache(f"kv.{i}.ikeys", dI), k, r, f"{nm}.k_all")
+        N = self.b.tensors[self.state["index_k"]].shape[2]
         qi = self.linear(qr, self.w(f"{L}.wq_b", (1, 1, m.q_lora_rank, HI * dI), self.prec.wqkv), f"{nm}.q_l",
                          (1, 1, S, HI * dI))
         qi = self.permute(self.reshape(qi, (1, S, HI, dI), f"{nm}.q4"), (0, 2, 1, 3), f"{nm}.qh", (1, HI, S, dI))
@@ -361,24 +476,29 @@ class _DS:
         wts = self.linear(h, self.w(f"{L}.weights_proj", (1, 1, D, HI), BF16), f"{nm}.w_l", (1, 1, S, HI),
                           self.prec.router, F32)
         wts = self.scal("ttnn.mul", wts, dI ** -0.5 * HI ** -0.5, f"{nm}.w_s", (1, 1, S, HI), F32)
-        wts = self.permute(wts, (0, 3, 2, 1), f"{nm}.w", (1, HI, S, 1), F32)
-        s = self.matmul(qi, self.state["index_k"], f"{nm}.qk", (1, HI, S, N), F32, transpose_b=True)
-        s = self.unary("ttnn.relu", s, f"{nm}.relu", (1, HI, S, N), F32)
-        s = self.bin("ttnn.mul", s, wts, f"{nm}.sw", (1, HI, S, N), F32)
-        s = self.op("ttnn.sum", [s], {"dim": 1, "keepdim": True}, f"{nm}.s", (1, 1, S, N), F32)
-        vis = mask_input(self, f"vis.r{r}", (1, 1, S, N))
-        vis_add = mask_input(self, f"visadd.r{r}", (1, 1, S, N))
-        s = self.bin("ttnn.add", s, vis_add, f"{nm}.s_vis", (1, 1, S, N), F32)
+        if self.decode:  # per user: heads as the batch's second dim
+            qi = self.permute(qi, (2, 1, 0, 3), f"{nm}.qd", (S, HI, 1, dI))
+            wts = self.reshape(wts, (S, HI, 1, 1), f"{nm}.w", F32)
+        else:
+            wts = self.permute(wts, (0, 3, 2, 1), f"{nm}.w", (1, HI, S, 1), F32)
+        qs = self.b.tensors[qi].shape[:3]
+        s = self.matmul(qi, self.state["index_k"], f"{nm}.qk", (*qs, N), F32, transpose_b=True)
+        s = self.unary("ttnn.relu", s, f"{nm}.relu", (*qs, N), F32)
+        s = self.bin("ttnn.mul", s, wts, f"{nm}.sw", (*qs, N), F32)
+        s = self.op("ttnn.sum", [s], {"dim": 1, "keepdim": True}, f"{nm}.s", self.rowshape(N), F32)
+        vis = mask_input(self, f"vis.r{r}", self.rowshape(N))
+        vis_add = mask_input(self, f"visadd.r{r}", self.rowshape(N))
+        s = self.bin("ttnn.add", s, vis_add, f"{nm}.s_vis", self.rowshape(N), F32)
         if m.candidate_source:
             self.state["candidates"] = self.candidates(i, s, r, N, m.candidate_blocks, m.candidate_block_size)
         keep = vis
         if m.candidate_filter:
             cand = self.state["candidates"]
-            add = self.scal("ttnn.mul", self.scal("ttnn.add", cand, -1.0, f"{nm}.c_m1", (1, 1, S, N), F32), BIG,
-                            f"{nm}.c_add", (1, 1, S, N), F32)
-            s = self.bin("ttnn.add", s, add, f"{nm}.s_cand", (1, 1, S, N), F32)
-            keep = self.bin("ttnn.mul", vis, cand, f"{nm}.keep", (1, 1, S, N), F32)
-        self.state["topk"] = self.top_mask(s, min(m.index_topk, N), keep, f"{nm}.sel", (1, 1, S, N))
+            add = self.scal("ttnn.mul", self.scal("ttnn.add", cand, -1.0, f"{nm}.c_m1", self.rowshape(N), F32), BIG,
+                            f"{nm}.c_add", self.rowshape(N), F32)
+            s = self.bin("ttnn.add", s, add, f"{nm}.s_cand", self.rowshape(N), F32)
+            keep = self.bin("ttnn.mul", vis, cand, f"{nm}.keep", self.rowshape(N), F32)
+        self.state["topk"] = self.top_mask(s, min(m.index_topk, N), keep, f"{nm}.sel", self.rowshape(N))
 
     def top_mask(self, s, k, keep, out, shape):
         """0/1 mask of the k largest entries per row, restricted to `keep` (picks outside it are dropped)."""
@@ -393,18 +513,19 @@ class _DS:
         return self.bin("ttnn.mul", hit, keep, out, shape, F32)
 
     def candidates(self, i, s, r, N, n_blocks, cb):
-        """V4.1 candidate blocks over the visible-masked scores s [1,1,S,N] -> 0/1 entries [1,1,S,N]."""
+        """V4.1 candidate blocks over the visible-masked scores s (rowshape(N)) -> 0/1 entries (rowshape(N))."""
         S, nm = self.S, f"l{i}.cand"
         nb = N // cb
-        sv = self.reshape(s, (1, S, nb, cb), f"{nm}.s4", F32)
-        bm = self.op("ttnn.max", [sv], {"dim": -1, "keepdim": True}, f"{nm}.bmax", (1, S, nb, 1), F32)
-        bm = self.reshape(bm, (1, 1, S, nb), f"{nm}.bs", F32)
-        newest = mask_input(self, f"newest.r{r}.b{cb}", (1, 1, S, nb))  # BIG on the newest visible block
-        bm = self.bin("ttnn.add", bm, newest, f"{nm}.bs_new", (1, 1, S, nb), F32)
-        bvis = mask_input(self, f"blockvis.r{r}.b{cb}", (1, 1, S, nb))
-        keep = self.top_mask(bm, min(n_blocks, nb), bvis, f"{nm}.keep", (1, 1, S, nb))
+        lead = (S, 1) if self.decode else (1, S)
+        sv = self.reshape(s, (*lead, nb, cb), f"{nm}.s4", F32)
+        bm = self.op("ttnn.max", [sv], {"dim": -1, "keepdim": True}, f"{nm}.bmax", (*lead, nb, 1), F32)
+        bm = self.reshape(bm, self.rowshape(nb), f"{nm}.bs", F32)
+        newest = mask_input(self, f"newest.r{r}.b{cb}", self.rowshape(nb))  # BIG on the newest visible block
+        bm = self.bin("ttnn.add", bm, newest, f"{nm}.bs_new", self.rowshape(nb), F32)
+        bvis = mask_input(self, f"blockvis.r{r}.b{cb}", self.rowshape(nb))
+        keep = self.top_mask(bm, min(n_blocks, nb), bvis, f"{nm}.keep", self.rowshape(nb))
         expand = self.w(f"cand.expand.{nb}x{cb}", (1, 1, nb, N), BF16)  # 0/1: block b covers entries b*cb..
-        return self.matmul(keep, expand, f"{nm}.mask", (1, 1, S, N), F32)
+        return self.matmul(keep, expand, f"{nm}.mask", self.rowshape(N), F32)
 
     # -- MoE
     def moe(self, i, h):
@@ -458,7 +579,8 @@ class _DS:
         """Routed experts through ttnn.sparse_matmul: rows in blocks of 32, only (block, expert) pairs in use."""
         cfg, m, S, D = self.cfg, self.cfg.layers[i].mlp, self.S, self.cfg.hidden_size
         E, I, L, nm, prec = m.num_experts, m.intermediate_size, f"layers.{i}.mlp", f"l{i}.ex", self.prec
-        nb, blk = S // SPARSE_BLOCK, SPARSE_BLOCK
+        blk = min(SPARSE_BLOCK, S)  # decode: the users' rows are one block
+        nb = S // blk
         cv = self.reshape(chosen, (1, nb, blk, E), f"{nm}.c4", F32)
         sparsity = self.op("ttnn.max", [cv], {"dim": 2, "keepdim": True}, f"{nm}.sparsity", (1, nb, 1, E), BF16)
         sp_rm = self.op("ttnn.to_layout", [sparsity], {"layout": RM}, f"{nm}.sparsity_rm", (1, nb, 1, E), BF16)
@@ -558,8 +680,9 @@ class _DS:
         h = self.rms(x, self.w("final_norm", (1, 1, 1, D), BF16, RM), "final.h", (1, 1, S, D))
         out = self.linear(h, self.w("lm_head", (1, 1, D, V), self.prec.lm_head), "logits", (1, 1, S, V),
                           self.prec.lm_head_op)
-        prog = TTProgram("prefill", self.b.calls, self.b.tensors, tuple(self.inputs), (out,),
-                         {"rows": S, "family": cfg.family, "layer_outputs": [f"l{i}.out" for i in range(cfg.num_layers)]})
+        prog = TTProgram(self.mode, self.b.calls, self.b.tensors, tuple(self.inputs), (out,),
+                         {"rows": S, "family": cfg.family, "block_size": self.bs,
+                          "layer_outputs": [f"l{i}.out" for i in range(cfg.num_layers)]})
         check_program(prog)
         return prog
 
@@ -578,7 +701,8 @@ def rope_key(rope) -> str:
 # ------------------------------------------------------------------------------------------------- lowering
 def lower(cfg: ModelConfig, *, prefill_len: int = 128, batch: int = 32, max_seq_len: int = 8192, block_size: int = 32,
           policy="performance") -> TTModelProgram:
-    """DeepSeek's prefill program for a prompt of `prefill_len` tokens (padded to 128); decode is not lowered yet."""
+    """DeepSeek's prefill program for one prompt of `prefill_len` tokens (padded to 128) and decode program for
+    `batch` users, over paged caches of `block_size` rows (`kv_specs`; the programs' "state" tensors)."""
     prec = get_policy(policy)
     if policy == "performance":
         # measured on the tiny V4.1 (per-layer PCC vs exact): bfp4/LoFi experts 0.95; bfp8 experts 0.986, the rest
@@ -593,11 +717,14 @@ def lower(cfg: ModelConfig, *, prefill_len: int = 128, batch: int = 32, max_seq_
     check(cfg, S)
     if S > max_seq_len:
         raise TTConstraintError(f"prefill of {S} (padded) tokens exceeds max_seq_len={max_seq_len}")
-    prefill = _DS(cfg, prec, S, max_seq_len).program()
-    return TTModelProgram(prefill=prefill, decode=None,
+    check_decode_batch(batch)
+    if block_size % TILE:
+        raise TTConstraintError(f"block_size={block_size} is not a multiple of {TILE}")
+    prefill = _DS(cfg, prec, S, max_seq_len, "prefill", block_size).program()
+    decode = _DS(cfg, prec, batch, max_seq_len, "decode", block_size).program()
+    return TTModelProgram(prefill=prefill, decode=decode,
                           meta={"family": cfg.family, "policy": prec.name, "max_seq_len": max_seq_len,
                                 "block_size": block_size, "num_layers": cfg.num_layers,
-                                "decode": "not lowered for DeepSeek yet",
                                 "kv_cache_specs": kv_specs(cfg, block_size, prec)})
 
 

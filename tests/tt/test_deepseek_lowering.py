@@ -2,8 +2,9 @@
 equals jm.forward on tiny configs (every V4.1 role: SWA-only, ratio-2 and ratio-1 kv+index sources, reuse layers,
 the candidate source and a candidate-filtered reindex, Engram; V4: hash routing, overlapped CSA compressor with
 its own index compressor, an HCA layer, hc_head), at a length where the indexer's top-k is smaller than the
-visible compressed entries; TT numerics (bf16 activations, bfp8 weights, fidelity model) PCC per layer;
-every call against the wheel's signatures; the sparse expert path; the hybrid KV specs in the meta."""
+visible compressed entries; prefill then decode through the paged caches of two users equals jm.forward on the
+longer sequences; TT numerics (bf16 activations, bfp8 weights, fidelity model) PCC per layer; every call (prefill
+and decode) against the wheel's signatures; the sparse expert path; the hybrid KV specs in the meta."""
 from __future__ import annotations
 
 import dataclasses
@@ -103,15 +104,42 @@ def _check_value(op, key, v):
 
 @pytest.mark.parametrize("name", ["v41", "v4"])
 def test_every_call_matches_the_real_ttnn_api(name):
-    prog = lowering.lower(_config(name), prefill_len=T, max_seq_len=512).prefill
-    ops = {c.op for c in prog.calls}
-    assert {"ttnn.sparse_matmul", "ttnn.topk", "ttnn.scatter", "ttnn.concat", "ttnn.softplus"} <= ops
-    for c in prog.calls:
-        api.check_call(c.op, list(c.kwargs), n_positional=len(c.inputs))
-        for k, v in c.kwargs.items():
-            _check_value(c.op, k, v)
-    for s in prog.tensors.values():
-        assert api.has_constant(s.dtype) and api.has_constant(s.layout) and api.has_constant("ttnn." + s.memory), s
+    progs = lowering.lower(_config(name), prefill_len=T, batch=4, max_seq_len=512)
+    for prog in (progs.prefill, progs.decode):
+        ops = {c.op for c in prog.calls}
+        assert {"ttnn.sparse_matmul", "ttnn.topk", "ttnn.scatter", "ttnn.concat", "ttnn.softplus"} <= ops
+        assert ("ttnn.experimental.paged_update_cache" if prog.mode == "decode" else
+                "ttnn.experimental.paged_fill_cache") in ops
+        for c in prog.calls:
+            api.check_call(c.op, list(c.kwargs), n_positional=len(c.inputs))
+            for k, v in c.kwargs.items():
+                _check_value(c.op, k, v)
+        for s in prog.tensors.values():
+            assert api.has_constant(s.dtype) and api.has_constant(s.layout) and api.has_constant("ttnn." + s.memory)
+        lowering.check_program(prog)
+
+
+@pytest.mark.parametrize("name", ["v41", "v4"])
+def test_prefill_then_decode_through_paged_caches(name):
+    """Two users of different prompt lengths prefilled into their own cache blocks, then decoded together for
+    4 steps (V4.1: ratio-2 groups complete on alternate steps; V4: a ratio-4 group completes): every step's
+    logits equal jm.forward over the user's whole sequence (exact numerics)."""
+    cfg = _config(name)
+    model = jm.Model(cfg, M.init_params(cfg, 0, std=0.1))
+    rng = np.random.default_rng(2)
+    lengths, steps = (45, 38), 4
+    seqs = [rng.integers(3, cfg.vocab_size, n + steps) for n in lengths]
+    em = DeepSeekEmulator(model, numerics="exact", users=2, max_seq_len=256)
+    got = [[em.prefill(seqs[b][:n], user=b)[-1]] for b, n in enumerate(lengths)]
+    for k in range(steps):
+        logits = em.decode([s[n + k] for s, n in zip(seqs, lengths)], [n + k for n in lengths])
+        for b in range(2):
+            got[b].append(logits[b])
+    for b, n in enumerate(lengths):
+        ref = _forward(cfg, model.params, seqs[b][:n + steps])[n - 1:]
+        err = float(np.abs(np.stack(got[b]) - ref).max())
+        print(f"\n{name} user {b}: prefill {n} + {steps} decode steps, max |emulated - jm.forward| = {err:.2e}")
+        np.testing.assert_allclose(np.stack(got[b]), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
 
 
 def test_experts_run_sparse():

@@ -490,3 +490,9 @@ def sparse_matmul(env, input_tensor_a, input_tensor_b, *, sparsity, program_conf
             out[i, e] = matmul(a[i, e], b[0, e], env.level, compute_kernel_config)
         return out
     raise NotImplementedError("sparse_matmul: exactly one of is_input_a_sparse / is_input_b_sparse is emulated")
+
+
+@op("ttnn.pad")
+def pad(env, input_tensor, *, padding, value, memory_config=None, use_multicore=True):
+    """padding: [(before, after)] per dim, filled with `value`."""
+    return np.pad(input_tensor.astype(F32), [tuple(p) for p in padding], constant_values=value)
