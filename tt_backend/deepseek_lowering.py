@@ -24,10 +24,17 @@ What a layer does (specs/deepseek_v4.md §3-§7, jaxmodels.layers.{mhc, mla, moe
   input "engram.cols.<l>"), the table rows are gathered with ttnn.embedding, then wkv, the per-stream gate
   (rms-normed dot, signed sqrt, sigmoid) and the gated value added to every stream.
 
-Masks that depend only on positions (window, visibility of compressed entries, the newest candidate block) are
-host inputs, as Gemma3's prefill masks are in `tt_backend.lowering`. Decode is not lowered for DeepSeek yet
-(`lower` returns the prefill program and a decode program of `None`); `kv_specs` describes the hybrid caches a
-decode program will read.
+Masks that depend only on positions (window, visibility of compressed entries, the newest candidate block, the
+rows of the compressor group a decode step closes) are host inputs, as Gemma3's prefill masks are in
+`tt_backend.lowering`.
+
+Caches (program "state" tensors, paged [blocks, 1, block_size, width], one block pool each; `kv_specs` lists them
+for a generator): "kv.<i>.window" (every layer; token-indexed, full length, the window applied on the read side),
+"kv.<i>.cmp" and "kv.<i>.ikeys" (kv sources; entry-indexed: one row per `ratio` tokens), "kv.<i>.cstate.a/.g" and
+V4's "kv.<i>.istate.a/.g" (the compressor's per-token projections and gates, fp32, token-indexed). Token-indexed
+caches read "page_table" [users, max_seq/block], entry-indexed ones "page_table.r<ratio>". Prefill fills them
+(paged_fill_cache); decode writes the token's rows (paged_update_cache; a compressed entry only when its group
+completes, index -1 otherwise) and reads each user's blocks back through ttnn.embedding over its page table.
 """
 from __future__ import annotations
 
@@ -729,35 +736,35 @@ def lower(cfg: ModelConfig, *, prefill_len: int = 128, batch: int = 32, max_seq_
 
 
 def kv_specs(cfg: ModelConfig, block_size: int, prec: Precision) -> list[dict]:
-    """The hybrid KV caches a DeepSeek decode reads, one entry per cache: kind window (every layer: a ring of
-    `window` RoPE'd latent rows of head_dim), compressed (kv sources: one entry per `ratio` tokens; CSA when an
-    indexer selects from them, HCA when all are attended), index_keys (indexer keys of kv sources), and the
-    compressor's partial-group state (ratio > 1: the last r projections and gates, fp32). Reuse layers own no
-    compressed cache: they read their source's (`reads`)."""
+    """The hybrid caches DeepSeek's programs read, one dict per cache: `cache` (the program's state tensor),
+    `kind`: window (every layer: the RoPE'd latent rows, `ring` = the sliding window), csa / hca (a kv source's
+    compressed entries: indexer-selected / all attended), index_keys (the indexer's keys), compressor_state (the
+    per-token projections and gates of a gated compressor, fp32; `of` says whose), reuse (a layer that reads
+    `reads`' caches and owns none); `page_table` (the program input addressing it), `tokens_per_entry`, `width`
+    (row width) and `dtype`."""
     out, source = [], None
+
+    def add(i, kind, cache, width, ratio=1, dtype=None, **extra):
+        out.append({"layer": i, "kind": kind, "cache": cache, "page_table": "page_table" if ratio == 1 else
+                    f"page_table.r{ratio}", "tokens_per_entry": ratio, "width": width, "block_size": block_size,
+                    "dtype": dtype or prec.kv_cache, **extra})
+
     for i, s in enumerate(cfg.layers):
         m, d = s.attention.mla, cfg.head_dim
-        out.append({"layer": i, "kind": "window", "ring": s.attention.window, "entry_shape": [1, d],
-                    "tokens_per_entry": 1, "block_size": block_size, "dtype": prec.kv_cache})
+        add(i, "window", f"kv.{i}.window", d, ring=s.attention.window)
         if not m.ratio:
             continue
-        if m.compress:
-            source = i
-            kind = "csa" if m.select == "indexer" else "hca"
-            out.append({"layer": i, "kind": kind, "entry_shape": [1, d], "tokens_per_entry": m.ratio,
-                        "block_size": block_size, "dtype": prec.kv_cache})
-            if m.index_keys in ("latent", "compressor"):
-                out.append({"layer": i, "kind": "index_keys", "entry_shape": [1, m.index_head_dim],
-                            "tokens_per_entry": m.ratio, "block_size": block_size, "dtype": prec.kv_cache})
-            if m.compressor_gate and m.ratio > 1:  # the projections and gates of the group being filled
-                slots = 2 * m.ratio if m.overlap else m.ratio
-                out.append({"layer": i, "kind": "compressor_state", "of": kind, "entry_shape": [2, slots, 2 * d if
-                                                                                                m.overlap else d],
-                            "tokens_per_entry": None, "dtype": F32})
-            if m.index_keys == "compressor":  # V4: the indexer's own overlapped compressor
-                out.append({"layer": i, "kind": "compressor_state", "of": "index_keys",
-                            "entry_shape": [2, 2 * m.ratio, 2 * m.index_head_dim], "tokens_per_entry": None,
-                            "dtype": F32})
-        else:
+        if not m.compress:
             out.append({"layer": i, "kind": "reuse", "reads": source, "tokens_per_entry": m.ratio})
+            continue
+        source, kind = i, "csa" if m.select == "indexer" else "hca"
+        add(i, kind, f"kv.{i}.cmp", d, m.ratio)
+        if m.index_keys in ("latent", "compressor"):
+            add(i, "index_keys", f"kv.{i}.ikeys", m.index_head_dim, m.ratio)
+        if m.compressor_gate:  # gated pooling reads the projections of the group's tokens back
+            for ab in "ag":
+                add(i, "compressor_state", f"kv.{i}.cstate.{ab}", 2 * d if m.overlap else d, dtype=F32, of=kind)
+        if m.index_keys == "compressor":  # V4: the indexer's own overlapped compressor
+            for ab in "ag":
+                add(i, "compressor_state", f"kv.{i}.istate.{ab}", 2 * m.index_head_dim, dtype=F32, of="index_keys")
     return out

@@ -29,8 +29,8 @@ row, weighted by its routing weight (exact routing, E times the expert work of t
 
 `check_config` raises `TTConstraintError` for what TT cannot do and `NotImplementedError` for what
 this lowering does not do yet (shared experts outside DeepSeek, mHC on GQA layers); nothing falls back silently.
-DeepSeek V4 / V4.1 configs (mHC + MLA) are lowered by `tt_backend.deepseek_lowering` (prefill; its decode program
-is not written yet, `decode` is None) and `lower` hands them over.
+DeepSeek V4 / V4.1 configs (mHC + MLA) are lowered by `tt_backend.deepseek_lowering` (prefill and decode over its
+own hybrid paged caches, listed in meta["kv_cache_specs"]) and `lower` hands them over.
 `check_program` validates a program's calls (dtype/layout rules of cache ops, tile alignment, top-k).
 
 Not lowered (yet): tensor parallelism and its CCLs (one device per program), on-device sampling
@@ -561,7 +561,7 @@ def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int =
     """
     from tt_backend import deepseek_lowering
 
-    if deepseek_lowering.is_deepseek(cfg):  # mHC / MLA / Engram: its own lowering (prefill only for now)
+    if deepseek_lowering.is_deepseek(cfg):  # mHC / MLA / Engram: its own lowering and caches
         if chunk_start or per_layer_page_tables or cache_position_modulo or embeddings or attention_mask:
             raise NotImplementedError("DeepSeek lowering: chunked / paged / multimodal prefill options are not "
                                       "supported yet")

@@ -173,8 +173,17 @@ def test_hybrid_kv_specs_in_the_meta():
     for name, want in (("v41", {"window", "csa", "index_keys", "compressor_state", "reuse"}),
                        ("v4", {"window", "csa", "hca", "index_keys", "compressor_state"})):
         cfg = _config(name)
-        specs = lowering.lower(cfg, prefill_len=T, max_seq_len=512).meta["kv_cache_specs"]
+        progs = lowering.lower(cfg, prefill_len=T, batch=4, max_seq_len=512)
+        specs = progs.meta["kv_cache_specs"]
         assert {s["kind"] for s in specs} == want, name
+        # every cache the programs read is described (name, page table, row width), and nothing else
+        for prog in (progs.prefill, progs.decode):
+            state = {k: v for k, v in prog.tensors.items() if v.kind == "state"}
+            assert set(state) == {s["cache"] for s in specs if "cache" in s}, name
+            for s in specs:
+                if "cache" in s:
+                    assert state[s["cache"]].shape == (None, 1, 32, s["width"]) and s["page_table"] in prog.inputs
+                    assert state[s["cache"]].dtype == s["dtype"]
         assert [s["layer"] for s in specs if s["kind"] == "window"] == list(range(cfg.num_layers))
         for s in specs:
             if s["kind"] in ("csa", "hca", "index_keys"):
@@ -189,3 +198,26 @@ def test_what_is_not_lowered_is_refused():
         lowering.lower(dataclasses.replace(cfg, numerics="reference"))
     with pytest.raises(NotImplementedError, match="chunked / paged"):
         lowering.lower(cfg, chunk_start=128)
+
+
+@pytest.mark.parametrize("name", ["v41", "v4"])
+def test_decode_tt_numerics_pcc_per_layer(name):
+    """The same two users prefilled and decoded 4 steps under TT numerics (caches stored bfp8 / fp32 as declared)
+    against the exact run: PCC >= 0.99 per layer and for the logits over the decode steps."""
+    cfg = _config(name)
+    model = jm.Model(cfg, M.init_params(cfg, 0, std=0.1))
+    rng = np.random.default_rng(2)
+    lengths, steps = (45, 38), 4
+    seqs = [rng.integers(3, cfg.vocab_size, n + steps) for n in lengths]
+    runs = {}
+    for level in ("exact", "full"):
+        em = DeepSeekEmulator(model, numerics=level, users=2, max_seq_len=256)
+        for b, n in enumerate(lengths):
+            em.prefill(seqs[b][:n], user=b)
+        runs[level] = [em.decode([s[n + k] for s, n in zip(seqs, lengths)], [n + k for n in lengths],
+                                 return_all=True) for k in range(steps)]
+    stack = lambda level, key: np.stack([t[key] for t in runs[level]])  # noqa: E731
+    per_layer = [_pcc(stack("full", f"l{i}.out"), stack("exact", f"l{i}.out")) for i in range(cfg.num_layers)]
+    logits = _pcc(stack("full", "logits"), stack("exact", "logits"))
+    print(f"\n{name} decode TT numerics PCC per layer: {[round(p, 5) for p in per_layer]}, logits {logits:.5f}")
+    assert min(per_layer) >= 0.99 and logits >= 0.99
