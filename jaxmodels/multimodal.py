@@ -44,6 +44,13 @@ def placeholder(model) -> str:
     return _token(model.tokenizer, v.begin_token_id if v.kind == "siglip" else v.image_token_id, "image placeholder")
 
 
+def load(model, x, where: str = "image 0"):
+    """One image (as `process` takes them) opened as the model's processor opens it: DeepSeek V4.1 as its reference
+    (`images.load_image_plain`), the others as HF's `load_image`. ValueError starting with `where`."""
+    v = model.config.vision
+    return (img.load_image_plain if v is not None and v.kind == "deepseek_vit" else img.load_image)(x, where)
+
+
 def process(model, images: list) -> dict:
     """Images (PIL images, paths, bytes, data: URIs, arrays) -> the model's processor outputs (HF names, numpy)."""
     v, settings = model.config.vision, dict(getattr(model, "preprocessor", None) or {})

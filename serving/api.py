@@ -34,7 +34,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from jaxmodels import multimodal
-from jaxmodels.images import load_image
 from serving.engine import Engine
 from serving.llm import fan_out, prompt_ids
 from serving.metrics import Metrics
@@ -508,7 +507,7 @@ class _Server:
                     raise APIError(400, f"{where}: image_url must be a data: URI (data:image/png;base64,...); "
                                         f"the server fetches nothing", where)
                 try:
-                    pictures.append(load_image(url, where))
+                    pictures.append(multimodal.load(self.engine.model, url, where))
                 except ValueError as e:
                     raise APIError(400, str(e), where) from None
             ids, arrays = multimodal.prepare(self.engine.model, [text], [pictures], templated=True)

@@ -54,6 +54,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True  # overlap the host's work with the device step (module docstring)
+    # images one request may hold (vLLM's limit_mm_per_prompt); None: any number, except for Mllama, whose
+    # cross-attention K/V every row keeps for this many images (rows x images x tiles x patches): 1 there
+    max_images_per_prompt: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
@@ -64,6 +67,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        v = self.max_images_per_prompt
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"max_images_per_prompt must be an int >= 0, got {v!r}")
         if self.memory_fraction is not None and not (
                 isinstance(self.memory_fraction, (int, float)) and not isinstance(self.memory_fraction, bool)
                 and 0 < self.memory_fraction <= 1):
@@ -79,17 +85,18 @@ def memory_stats(devices) -> list[dict | None]:
 
 
 def kv_blocks_for_memory(block_bytes: list[int], stats: list[dict | None], fraction: float,
-                         names: list[str] | None = None) -> int:
-    """How many blocks fit each device's share: floor((fraction * bytes_limit - bytes_in_use) / block_bytes)
-    at the tightest device. block_bytes: what one block (of every pool) takes on each device; stats: each
-    device's `memory_stats()`. Raises ValueError naming the device that reports no memory or has no room."""
+                         names: list[str] | None = None, reserved: int = 0) -> int:
+    """How many blocks fit each device's share: floor((fraction * bytes_limit - bytes_in_use - reserved) /
+    block_bytes) at the tightest device. block_bytes: what one block (of every pool) takes on each device; stats:
+    each device's `memory_stats()`; reserved: bytes every device keeps besides (Mllama's per-row cross-attention
+    K/V). Raises ValueError naming the device that reports no memory or has no room."""
     names = names or [f"device {i}" for i in range(len(stats))]
     best = None
     for per, st, name in zip(block_bytes, stats, names):
         if not st or "bytes_limit" not in st:
             raise ValueError(f"{name} reports no memory statistics, so memory_fraction cannot size the KV cache; "
                              f"pass kv_blocks (--kv-blocks)")
-        room = fraction * st["bytes_limit"] - st.get("bytes_in_use", 0)
+        room = fraction * st["bytes_limit"] - st.get("bytes_in_use", 0) - reserved
         n = int(room // per) if room > 0 else 0
         if n < 1:
             raise ValueError(f"memory_fraction={fraction} of {name}'s {st['bytes_limit'] / 2**30:.2f} GiB leaves no "
@@ -97,6 +104,28 @@ def kv_blocks_for_memory(block_bytes: list[int], stats: list[dict | None], fract
                              f"{st.get('bytes_in_use', 0) / 2**30:.2f} GiB in use; raise it or pass kv_blocks")
         best = n if best is None else min(best, n)
     return best
+
+
+def image_count(v, arrays: dict, static: tuple) -> int:
+    """How many images a request's processed images (checked by `vision.inputs`) hold."""
+    grids = dict(static)
+    if "image_grid_hw" in grids or "image_grid_thw" in grids:
+        return len(grids.get("image_grid_hw", grids.get("image_grid_thw")))
+    return int(np.shape(arrays["pixel_values"])[1 if v.kind == "mllama" else 0])
+
+
+def _mllama_slots(a: dict, slots: int) -> dict:
+    """Mllama's images of one request [1, N, ...] padded to the engine's `slots` images as the processor pads a
+    batch's rows (no pixels, aspect ratio id 0, tile 0 marked), and its tokens' tile mask [prompt, slots, tiles]."""
+    pv, ids, mask = a["pixel_values"][0], a["aspect_ratio_ids"][0], a["aspect_ratio_mask"][0]
+    n, pad = pv.shape[0], slots - pv.shape[0]
+    tiles = a["cross_attention_mask"][0]
+    pad_mask = np.zeros((pad, mask.shape[1]), mask.dtype)
+    pad_mask[:, 0] = 1
+    return {"pixel_values": np.concatenate([pv, np.zeros((pad, *pv.shape[1:]), pv.dtype)]),
+            "aspect_ratio_ids": np.concatenate([ids, np.zeros(pad, ids.dtype)]),
+            "aspect_ratio_mask": np.concatenate([mask, pad_mask]),
+            "cross_attention_mask": np.pad(tiles, ((0, 0), (0, slots - n), (0, 0)))}
 
 
 class Engine:
@@ -108,7 +137,15 @@ class Engine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         bs = config.block_size
-        groups, abstract, buffer_space, stateful = R.groups_of(cfg, self.max_model_len, bs, model.dtype)
+        v = cfg.vision
+        self.max_images = config.max_images_per_prompt
+        if self.max_images is None and v is not None and v.kind == "mllama":
+            self.max_images = 1
+        cross_tokens = 0  # Mllama: the image-feature tokens each row's cross-attention layers keep
+        if v is not None and v.kind == "mllama" and self.max_images:
+            cross_tokens = self.max_images * v.max_tiles * ((v.image_size // v.patch_size) ** 2 + 1)
+        groups, abstract, buffer_space, stateful = R.groups_of(cfg, self.max_model_len, bs, model.dtype,
+                                                               cross_tokens)
         per_block = R.block_bytes(abstract, buffer_space)
         need = [sum(g.entries for g in groups if g.space == s) for s in range(len(per_block))]  # one sequence
         blocks = config.kv_blocks or self._size(abstract, need)
@@ -116,7 +153,7 @@ class Engine:
             raise ValueError(f"kv_blocks={blocks} cannot hold one sequence of max_model_len={self.max_model_len} "
                              f"(needs {max(need)} blocks of {bs} tokens); lower max_model_len or raise kv_blocks")
         self.runner = R.Runner(model, groups, abstract, buffer_space, blocks, config.max_num_seqs,
-                               self.max_model_len, bs)
+                               self.max_model_len, bs, cross_tokens)
         chunked = config.enable_chunked_prefill and self.runner.extend_ok
         self.pool = KVPool(groups, blocks, bs, config.enable_prefix_caching and self.runner.extend_ok,
                            rows=self.runner.rows)
@@ -163,8 +200,10 @@ class Engine:
                 n //= int(np.prod([shard.mesh.shape[a] for axes in spec if axes
                                    for a in ((axes,) if isinstance(axes, str) else axes)]))
             per += n
+        rows = self.config.max_num_seqs + 1  # the per-row state, replicated on every device
+        state = rows * sum(int(np.prod(a.shape)) * a.dtype.itemsize for kind in abstract.state for a in kind.values())
         return kv_blocks_for_memory([per] * len(devices), stats, self.config.memory_fraction or
-                                    DEFAULT_MEMORY_FRACTION, [str(d) for d in devices])
+                                    DEFAULT_MEMORY_FRACTION, [str(d) for d in devices], state)
 
     # -------------------------------------------------------------------------------------------- requests
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, images: dict | None = None) -> None:
@@ -197,21 +236,25 @@ class Engine:
         self.scheduler.add(req)
 
     def _images(self, req: Request, images: dict) -> None:
-        """Encode a request's images once, at arrival; their embeddings replace its image tokens chunk by chunk."""
+        """Encode a request's images once, at arrival; their embeddings replace its image tokens chunk by chunk
+        (Mllama: its images go to the prefill, whose cross-attention K/V the row keeps for its decode steps)."""
         cfg = self.model.config
-        if cfg.vision is not None and cfg.vision.kind == "mllama":
-            raise ValueError("the server does not take Mllama images yet (jm.generate does)")
         arrays, static = vision.inputs(cfg, np.asarray([req.prompt]), images)
-        if not arrays:
+        if "pixel_values" not in arrays:
             return
-        if not self.runner.extend_ok:
-            raise ValueError(f"{cfg.family} serves no images")
-        feats, valid = R.encode_images(self.model.params, arrays, cfg=cfg, static=static)
-        req.features = feats[np.flatnonzero(np.asarray(valid))]
+        count = image_count(cfg.vision, arrays, static)
+        if self.max_images is not None and count > self.max_images:
+            raise ValueError(f"the prompt has {count} images; this engine takes at most {self.max_images} per prompt "
+                             f"(max_images_per_prompt)")
         h = hashlib.sha256()
         for name in sorted(images):
             h.update(name.encode() + np.ascontiguousarray(images[name]).tobytes())
         req.salt = h.digest()
+        if cfg.vision.kind == "mllama":
+            req.cross = _mllama_slots({k: np.asarray(a) for k, a in arrays.items()}, self.max_images)
+            return
+        feats, valid = R.encode_images(self.model.params, arrays, cfg=cfg, static=static)
+        req.features = feats[np.flatnonzero(np.asarray(valid))]
         if cfg.vision.kind == "siglip":  # each image's soft tokens attend to each other: one chunk holds them
             is_img = np.asarray(req.prompt) == cfg.vision.image_token_id
             edges = np.flatnonzero(np.diff(np.concatenate([[0], is_img.astype(np.int8), [0]])))
@@ -264,12 +307,14 @@ class Engine:
         decode, chunks = [], []
         for p in batch.pieces:
             req, start, n = p
-            is_decode = n == 1 and (start > 0 or self.runner.extend_ok) and (req.features is None or
-                                                                             start >= len(req.prompt))
-            (decode if is_decode else chunks).append(p)  # image tokens go through extend
+            images = req.features is not None or req.cross is not None
+            is_decode = n == 1 and (start > 0 or self.runner.extend_ok) and (not images or start >= len(req.prompt))
+            (decode if is_decode else chunks).append(p)  # image tokens go through extend / prefill
         table, out = self.pool.table, []
-        if chunks:
-            out.append(self.runner.run("extend" if self.runner.extend_ok else "prefill", chunks, table))
+        # Mllama: rows with images run apart (in a batch, a row without images would attend to the others' padding)
+        for part in ([p for p in chunks if p[0].cross is None], [p for p in chunks if p[0].cross is not None]):
+            if part:
+                out.append(self.runner.run("extend" if self.runner.extend_ok else "prefill", part, table))
         if decode:
             out.append(self.runner.run("decode", decode, table))
         return out

@@ -139,6 +139,9 @@ class Request:
     features: object = None  # a vision model's image-token embeddings [image tokens, D], in prompt order
     salt: bytes = b""  # the images' digest: prefix-cache blocks are shared only with the same images
     spans: tuple = ()  # (start, end) of image-token runs a prefill chunk must not split (Gemma3)
+    # Mllama: its processed images, padded to the engine's image slots, and each prompt token's tile mask; every
+    # prefill chunk of the request passes them to the cross-attention layers, decode reads their kept K/V
+    cross: dict | None = None
     digests: list = field(default_factory=list)  # chain digest of each full block of tokens (kept across admissions)
     tokens: list[int] = field(init=False)
 

@@ -32,12 +32,15 @@ def bucket(n: int, minimum: int = 1, cap: int | None = None) -> int:
     return min(b, cap) if cap and n <= cap else b
 
 
-def groups_of(cfg, max_len: int, block_size: int, dtype) -> tuple[list[Group], Cache, list[int], bool]:
-    """The table groups, an abstract paged cache (layout, buffer shapes), each buffer's space, and whether the
-    model keeps per-sequence state (no prefix caching then)."""
+def groups_of(cfg, max_len: int, block_size: int, dtype, cross_tokens: int = 0
+              ) -> tuple[list[Group], Cache, list[int], bool]:
+    """The table groups, an abstract paged cache (layout, buffer shapes, per-row state), each buffer's space, and
+    whether the model keeps per-sequence state (no prefix caching then). cross_tokens: Mllama's image-feature
+    tokens per row (`M.init_cache`)."""
     tables = _no_tables(cfg, 1, max_len, block_size)
     keys = list(tables)
-    abstract = jax.eval_shape(lambda: M.init_cache(cfg, 1, max_len, dtype, block_size, tables))
+    abstract = jax.eval_shape(lambda: M.init_cache(cfg, 1, max_len, dtype, block_size, tables,
+                                                   cross_tokens=cross_tokens))
     parent = list(range(len(keys)))  # union-find over groups that share a buffer
 
     def root(t):
@@ -81,10 +84,11 @@ def block_bytes(abstract: Cache, buffer_space: list[int]) -> list[int]:
 
 
 def allocate(cfg, abstract: Cache, buffer_space: list[int], blocks: int, rows: int, max_len: int, dtype,
-             block_size: int, shard: sharding.Sharding | None = None) -> Cache:
+             block_size: int, shard: sharding.Sharding | None = None, cross_tokens: int = 0) -> Cache:
     """The engine's cache: every buffer with `blocks` blocks, per-sequence state for `rows` rows. shard: the pools
     placed by the rules (kv heads over the tensor axis, where it divides them), the per-row state replicated."""
-    empty = M.init_cache(cfg, rows, max_len, dtype, block_size, _no_tables(cfg, rows, max_len, block_size))
+    empty = M.init_cache(cfg, rows, max_len, dtype, block_size, _no_tables(cfg, rows, max_len, block_size),
+                         cross_tokens=cross_tokens)
     shapes = [((b.shape[0], blocks, *b.shape[2:]), b.dtype) for b in abstract.buffers]
     if shard is None:
         return Cache(tuple(jnp.zeros(*s) for s in shapes), (), empty.state, empty.extra, empty.layout)
@@ -100,8 +104,13 @@ def _rows(cache: Cache, rows, tables) -> Cache:
     return Cache(cache.buffers, tables, state, {n: a[rows] for n, a in cache.extra.items()}, cache.layout)
 
 
-def _merge(cache: Cache, sub: Cache, rows) -> Cache:
-    state = tuple({n: a.at[:, rows].set(sub.state[k][n]) for n, a in kind.items()} for k, kind in enumerate(cache.state))
+CROSS = ("cross_k", "cross_v", "cross_mask")  # Mllama's kept image K/V and tile mask: written by prefill only
+
+
+def _merge(cache: Cache, sub: Cache, rows, keep=()) -> Cache:
+    """The rows' state back into the cache; the state named in `keep` is left as it was (unchanged by the step)."""
+    state = tuple({n: a if n in keep else a.at[:, rows].set(sub.state[k][n]) for n, a in kind.items()}
+                  for k, kind in enumerate(cache.state))
     extra = {n: a.at[rows].set(sub.extra[n]) for n, a in cache.extra.items()}
     return Cache(sub.buffers, (), state, extra, cache.layout)
 
@@ -166,7 +175,8 @@ def step(params, cache, counts, last, ints, floats, tables, tokens, images=None,
     (uint32 bits), sample index, emit (the chunk ends the known sequence: its token counts for penalties and becomes
     the row's `last`), feed (decode: the input token is `last[row]`, the token the previous step sampled, which the
     host has not read). tables [P, entries of every group] split at `splits`. tokens [P, T] (right-padded chunks).
-    images (extend): the chunks' image-token embeddings as `M.hidden` takes them.
+    images (extend, prefill): the chunks' image-token embeddings as `M.hidden` takes them (Mllama: the rows'
+    processed images, each row with images).
     -> (cache, counts, last, (next token [P], and with `logprobs` its logprob [P], top ids [P, n], top logprobs))."""
     rows = ints[I_ROW]
     s = {"temperature": floats[F_TEMP], "top_k": ints[I_TOP_K], "top_p": floats[F_TOP_P], "min_p": floats[F_MIN_P],
@@ -180,8 +190,8 @@ def step(params, cache, counts, last, ints, floats, tables, tokens, images=None,
     elif how == "extend":
         logits, sub = M.extend(params, cfg, tokens, start, lengths, sub, shard=shard, images=images)
     else:  # prefill from position 0 (models without extend)
-        logits, sub = M.prefill(params, cfg, tokens, jnp.maximum(lengths, 1), sub, shard=shard)
-    cache = _merge(cache, sub, rows)
+        logits, sub = M.prefill(params, cfg, tokens, jnp.maximum(lengths, 1), sub, shard=shard, images=images)
+    cache = _merge(cache, sub, rows, CROSS if how == "decode" else ())
     if shard is not None:  # the pools keep the sharding they were allocated with (and their donation)
         cache = Cache(tuple(shard.constrain(b, BUFFER_AXES) for b in cache.buffers), cache.tables, cache.state,
                       cache.extra, cache.layout)
@@ -195,6 +205,14 @@ def step(params, cache, counts, last, ints, floats, tables, tokens, images=None,
 def encode_images(params, images, *, cfg, static=()):
     """A request's processed images -> (image-token embeddings [M, D], valid [M])."""
     return vision.encode(cfg.vision, params["vision"], {**images, **dict(static)})
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def clear_cross(cache: Cache, row) -> Cache:
+    """Zero a row's Mllama cross-attention K/V: a request without images decodes through them as through no
+    image (a row that sees no tile attends to every key, and zero values give zero)."""
+    state = tuple({n: a.at[:, row].set(0) if n in CROSS else a for n, a in kind.items()} for kind in cache.state)
+    return Cache(cache.buffers, cache.tables, state, cache.extra, cache.layout)
 
 
 @functools.partial(jax.jit, static_argnames=("shard",), donate_argnames=("cache",))
@@ -226,7 +244,7 @@ class Runner:
     sampling parameters (set at admission), and dispatches scheduled pieces without waiting for them."""
 
     def __init__(self, model, groups, abstract, buffer_space, blocks: int, max_num_seqs: int, max_len: int,
-                 block_size: int):
+                 block_size: int, cross_tokens: int = 0):
         self.model, self.cfg, self.groups = model, model.config, groups
         self.shard = model.sharding
         self.rows = max_num_seqs + 1  # the last: scratch, for padded rows
@@ -234,7 +252,8 @@ class Runner:
         self.splits = tuple(np.cumsum([0] + [g.entries for g in groups]).tolist())
         with sharding.entered(self.shard):
             self.cache = allocate(self.cfg, abstract, buffer_space, blocks, self.rows, max_len, model.dtype,
-                                  block_size, self.shard)
+                                  block_size, self.shard, cross_tokens)
+        self.cross = cross_tokens > 0
         self.counts = self._zeros((1, 1))  # [rows, vocab] once a request uses penalties
         self.last = self._zeros((self.rows,))  # each row's latest sampled token, for the next decode
         # per row: top-k, seed (int32 bits), logprobs asked for (-1: none) / temperature, top-p, min-p, penalties
@@ -263,6 +282,9 @@ class Runner:
         self.sampled[row] = req.generated
         if p.penalized:  # the row's counts: this request's generated tokens so far
             self.reset_counts(row, req.output)
+        if self.cross and req.cross is None:  # an earlier request's image K/V must not reach this one
+            with sharding.entered(self.shard):
+                self.cache = clear_cross(self.cache, row)
 
     def copy(self, copies) -> None:
         if not copies:
@@ -325,9 +347,9 @@ class Runner:
         penalized = bool(floats[F_PRESENCE].any() or floats[F_FREQUENCY].any())
         want = int(params[:, 2].max())
         top_n = 0 if want <= 0 else MAX_LOGPROBS if want > 5 else 5
-        images = self._images(pieces, P, T) if how == "extend" else None
+        images = None if decode else self._images(pieces, P, T)
         key = (how, P, T, sampled, filtered, penalized, top_n, want >= 0,
-               None if images is None else len(images["valid"]))
+               None if images is None else tuple(sorted((k, np.shape(a)) for k, a in images.items())))
         if key not in self.shapes:
             self.shapes.add(key)
             log.info("compiling step %s: %d rows x %d tokens (sampled=%s, penalties=%s, logprobs=%s, "
@@ -348,6 +370,8 @@ class Runner:
         """The image-token embeddings of the chunks' image tokens, piece by piece (rows bucketed, padding
         invalid), and Gemma3's token types; None when no chunk holds an image token."""
         v = self.cfg.vision
+        if v is not None and v.kind == "mllama":
+            return self._mllama(pieces, P, T)
         if v is None or not any(r.features is not None for r, _, _ in pieces):
             return None
         rows, types = [], np.zeros((P, T), np.int32)
@@ -368,4 +392,19 @@ class Runner:
                "valid": np.arange(M_) < feats.shape[0], "image_mask": types.astype(bool)}
         if v.kind == "siglip":
             out["token_type_ids"] = types
+        return out
+
+    def _mllama(self, pieces, P: int, T: int) -> dict | None:
+        """Mllama's processed images of the pieces (all with images, or none: the engine runs them apart) as the
+        prefill takes them; padding rows repeat the first row's images (their results are dropped). A token past
+        the prompt (recomputed after a preemption) sees the tiles the prompt's last token sees, as decode does."""
+        if pieces[0][0].cross is None:
+            return None
+        out = {k: np.stack([r.cross[k] for r, _, _ in pieces] + [pieces[0][0].cross[k]] * (P - len(pieces)))
+               for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")}
+        m = pieces[0][0].cross["cross_attention_mask"]
+        out["cross_attention_mask"] = mask = np.zeros((P, T, *m.shape[1:]), m.dtype)
+        for i, (r, a, n) in enumerate(pieces):
+            m = r.cross["cross_attention_mask"]
+            mask[i, :n] = m[np.minimum(np.arange(a, a + n), len(m) - 1)]
         return out

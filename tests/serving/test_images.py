@@ -1,15 +1,22 @@
 """The engine with images against `jm.generate` with the same images (the path it replaces): Gemma3 (an image's
 soft tokens attend to each other, so a chunk never splits them) and Mistral3 (images of different sizes), chunked
 prefill with small budgets, preemption, and prefix caching that shares blocks only between requests with the same
-images; the OpenAI server's image_url parts; offline LLM; Mllama's text with penalties (its head is narrower than
-its embedding)."""
+images; DeepSeek V4.1 (span rows, bias_vl routing, dead Engram spans) and Mllama (cross-attention K/V kept per row)
+through whole-prompt prefill, with preemption and rows reused; the OpenAI server's image_url parts for each family
+and its 400s; offline LLM; Mllama's text with penalties (its head is narrower than its embedding)."""
+import base64
+import dataclasses
+import io
+
 import jax
 import pytest
 
+import converters
 import jaxmodels as jm
 from jaxmodels import multimodal
 from serving import Engine, EngineConfig, SamplingParams
 from tests.parity.test_vision import _gemma_prompt, _picture, _pixtral_tokens, gemma3, mistral3  # noqa: F401
+from tests.serving.conftest import serve
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -158,14 +165,89 @@ def test_offline_llm_with_images(gemma3):  # noqa: F811
                    jm.generate(model, [prompts[1]], max_new_tokens=8, ignore_eos=True).tokens[0]]
 
 
-def test_mllama_text_with_penalties(tmp_path):
-    """Penalty counts are as wide as the head (V), not the embedding (V + 8)."""
-    import converters
+@pytest.fixture(scope="module")
+def mllama(tmp_path_factory):
+    """The tiny Mllama of tests/parity/test_vision.py (one cross-attention layer, 28-px tiles, up to 4), imported."""
     from tests.parity.test_vision import _mllama
 
-    hf = _mllama()
-    hf.save_pretrained(tmp_path / "hf")
-    model = jm.load(converters.convert(tmp_path / "hf", tmp_path / "out", dtype="float32", progress=False))
+    path = tmp_path_factory.mktemp("mllama")
+    _mllama().save_pretrained(path / "hf")
+    return jm.load(converters.convert(path / "hf", path / "out", dtype="float32", progress=False))
+
+
+@pytest.fixture(scope="module")
+def deepseek41(tmp_path_factory):
+    """The tiny DeepSeek V4.1 with a vision tower of tests/parity/test_deepseek_vision.py (mHC, Engram, MoE with
+    bias_vl), imported."""
+    from tests.parity.test_deepseek_vision import _write
+
+    path = tmp_path_factory.mktemp("v41")
+    (path / "ckpt").mkdir()
+    _write(path / "ckpt")
+    return jm.load(converters.convert(path / "ckpt", path / "out", dtype="float32", progress=False))
+
+
+def _requests(model, prompts, pics):
+    """(prompt ids with the images' tokens expanded, processed images or None) per request."""
+    return [(ids[0], arrays) for ids, arrays in
+            (multimodal.prepare(model, [p], [row]) if row else ([p], None) for p, row in zip(prompts, pics))]
+
+
+def _references(model, prompts, pics):
+    return [_reference(model, p, row) if row else
+            jm.generate(model, [p], max_new_tokens=8, ignore_eos=True).tokens[0] for p, row in zip(prompts, pics)]
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_blocks": 5}], ids=["default", "preempted"])
+def test_deepseek_v41_engine_equals_generate(deepseek41, options):
+    """Two images of different sizes in one prompt (each image token expanded to its span), one in another, a
+    text-only request beside them: the engine's greedy tokens equal jm.generate's, preempted requests included
+    (recomputed with their images)."""
+    from tests.parity.test_deepseek_vision import IMG, _pictures
+
+    model = deepseek41
+    a, b, c = _pictures()
+    prompts = [[7, 8, IMG, 9, 10, IMG, 11], [5, IMG, 6, 12], [12, 13, 14]]
+    pics = [[a, b], [c], []]
+    requests = _requests(model, prompts, pics)
+    got, engine = _serve(model, requests, max_num_batched_tokens=64, **options)
+    assert got == _references(model, [p for p, _ in requests], pics)
+    assert ("kv_blocks" in options) == (engine.scheduler.preemptions > 0)
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_blocks": 8, "max_model_len": 32}, {"max_num_seqs": 1}],
+                         ids=["default", "preempted", "one-row"])
+def test_mllama_engine_equals_generate(mllama, options):
+    """Images before, after and without text, and a text-only request: equal to jm.generate. The cross-attention
+    K/V are computed by the prefill and kept in the row (decode reads them); preempted requests recompute them;
+    with one row, a text-only request takes the row an image request left (its K/V must not leak)."""
+    prompts = [[512, 1, 30, 31, 32, 33], [1, 40, 512, 41, 42], [1, 50, 51, 52, 53, 54, 55], [512, 1, 60]]
+    pics = [[_picture(50, 20, 9)], [_picture(30, 60, 3)], [], [_picture(60, 60, 4)]]
+    got, engine = _serve(model := mllama, _requests(model, prompts, pics), **options)
+    assert got == _references(model, prompts, pics)
+    assert ("kv_blocks" in options) == (engine.scheduler.preemptions > 0)
+
+
+def test_mllama_image_slots(mllama):
+    """max_images_per_prompt sizes each row's kept K/V: two images fill two slots (equal to jm.generate), a third
+    is refused, and the default (one) refuses a second."""
+    prompts = [[512, 1, 30, 512, 31, 32], [1, 40, 41]]
+    pics = [[_picture(50, 20, 1), _picture(20, 60, 2)], []]
+    got, _ = _serve(mllama, _requests(mllama, prompts, pics), max_images_per_prompt=2)
+    assert got == _references(mllama, prompts, pics)
+    three = multimodal.prepare(mllama, [[512, 512, 512, 1]], [[_picture(30, 30, i) for i in range(3)]])[1]
+    with pytest.raises(ValueError, match=r"the prompt has 3 images; this engine takes at most 2 per prompt "
+                                         r"\(max_images_per_prompt\)"):
+        Engine(mllama, EngineConfig(max_num_seqs=1, max_model_len=32, max_images_per_prompt=2)).add(
+            "x", [512, 512, 512, 1], GREEDY, three)
+    with pytest.raises(ValueError, match="has 2 images; this engine takes at most 1"):
+        Engine(mllama, EngineConfig(max_num_seqs=1, max_model_len=32)).add("y", prompts[0], GREEDY,
+                                                                           _requests(mllama, prompts, pics)[0][1])
+
+
+def test_mllama_text_with_penalties(mllama):
+    """Penalty counts are as wide as the head (V), not the embedding (V + 8)."""
+    model = mllama
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, presence_penalty=0.5)
     got, _ = _serve(model, [([1, 30, 31, 32], None)], **{})
     engine = Engine(model, EngineConfig(max_num_seqs=2, block_size=4, max_model_len=64))
@@ -176,3 +258,69 @@ def test_mllama_text_with_penalties(tmp_path):
             out += o.token_ids
     assert len(out) == 6 and max(out) < 512 and got[0] == jm.generate(model, [[1, 30, 31, 32]], max_new_tokens=8,
                                                                           ignore_eos=True).tokens[0]
+
+
+def _words(vocab: int, special: dict):
+    """A word-level tokenizer naming every id (w<id>) but the special ones, so that each token's text is its own."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    ids = set(special.values())
+    tk = tokenizers.Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab) if i not in ids} | special,
+                                               unk_token="w3"))
+    tk.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in special])
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tk
+
+
+def _uri(picture, fmt="PNG") -> str:
+    buf = io.BytesIO()
+    picture.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v41", "mllama"])
+def test_openai_image_url_deepseek_and_mllama(family, request):
+    """A data: URI image through the official client equals jm.generate with the same image; a corrupt image, an
+    http URL and more images than the engine takes are 400s naming the part or the limit, and the server stays
+    healthy."""
+    import openai
+
+    from serving.api import build_app
+
+    model = request.getfixturevalue("deepseek41" if family == "deepseek_v41" else "mllama")
+    mark = {"deepseek_v41": "<｜deepseek_image｜>", "mllama": "<|image|>"}[family]
+    template = ("{% for m in messages %}<bos>{% if m.content is string %}{{ m.content }}{% else %}"
+                "{% for p in m.content %}{% if p.type == 'image' %}" + mark + "{% else %}{{ p.text }}{% endif %}"
+                "{% endfor %}{% endif %}{% endfor %}")
+    tk = _words(model.config.vocab_size, {"<bos>": 1, "<eos>": 2, mark: model.config.vision.image_token_id})
+    model = dataclasses.replace(model, tokenizer=jm.Tokenizer(tk, template, "<bos>", "<eos>"))
+    pic = _picture(40, 30, 11)
+    parts = [{"type": "text", "text": "w5 "}, {"type": "image"}, {"type": "text", "text": " w6 w7"}]
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": parts}])
+    ids, _ = multimodal.prepare(model, [text], [[pic]], templated=True)
+    want = jm.generate(model, ids, max_new_tokens=8, ignore_eos=True, images=[[pic]]).tokens[0]
+    content = [{"type": "text", "text": "w5 "}, {"type": "image_url", "image_url": {"url": _uri(pic)}},
+               {"type": "text", "text": " w6 w7"}]
+    engine = Engine(model, EngineConfig(max_num_seqs=2, block_size=4, max_model_len=96, max_images_per_prompt=1))
+    with serve(build_app(engine, "tiny")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def chat(content, **kw):
+            return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                                  max_tokens=8, temperature=0, extra_body={"ignore_eos": True}, **kw)
+
+        got = chat(content, logprobs=True)
+        assert [t.token for t in got.choices[0].logprobs.content] == [f"w{i}" for i in want]
+        assert got.usage.prompt_tokens == len(ids[0]) and got.usage.completion_tokens == 8
+        broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+            b"\x89PNG\r\n\x1a\n not a png").decode()}}
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: not a readable image"):
+            chat([content[0], broken])
+        remote = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\]: image_url must be a "
+                                                         r"data: URI .* the server fetches nothing"):
+            chat([remote])
+        with pytest.raises(openai.BadRequestError, match=r"the prompt has 2 images; this engine takes at most 1"):
+            chat([content[1], content[1], content[2]])
+        assert chat(content).choices[0].message.content == got.choices[0].message.content  # still serving
