@@ -172,56 +172,54 @@ class CompressedSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
-class SequenceStateSpec:
-    """Per-sequence state no position addresses (a compressor's partial group): ``shape`` per sequence."""
+class CompressorStateSpec(AttentionSpec):
+    """Per-token rows a gated compressor reads back (DeepSeek: the projections "a" or gates "g" of the group
+    being pooled, fp32): paged like a token cache; ``of`` names the cache it feeds (csa / hca / index_keys)."""
 
-    shape: tuple[int, ...]
-    dtype: Any
-
-    @property
-    def page_size_bytes(self) -> int:
-        return int(np.prod(self.shape) * _dtype_bytes(self.dtype))
+    of: str = "csa"
 
 
 _CACHE_SUFFIX = {"full": "", "window": "", "csa": ".compressor", "hca": ".compressor", "index_keys": ".indexer"}
 
 
 def cache_kinds(cfg: ModelConfig, block_size: int, policy="performance") -> list[dict]:
-    """Every cache of every layer as the lowering's meta declares it (``kv_cache_specs``: layer, kind, entry_shape,
-    tokens_per_entry, ring; DeepSeek's from `deepseek_lowering.kv_specs`); GQA layers: "full" or "window"."""
+    """Every cache of every layer as the lowering declares it (layer, kind, width, tokens_per_entry, dtype, ring;
+    DeepSeek's `deepseek_lowering.kv_specs`, which names each cache's program tensor in "cache"); GQA layers:
+    "full" or "window", K and V of num_kv_heads x head_dim."""
     if deepseek_lowering.is_deepseek(cfg):
         return deepseek_lowering.kv_specs(cfg, block_size, get_policy(policy))
     return [{"layer": i, "kind": "full" if s.attention.window is None else "window", "ring": s.attention.window,
-             "entry_shape": [cfg.num_kv_heads, cfg.head_dim], "tokens_per_entry": 1, "tensors": 2}
+             "heads": cfg.num_kv_heads, "width": cfg.head_dim, "tokens_per_entry": 1, "tensors": 2}
             for i, s in enumerate(cfg.layers)]
 
 
 def kv_cache_specs(cfg: ModelConfig, block_size: int, dtype, *, hybrid: bool = True) -> dict[str, Any]:
     """``{name: spec}`` for every cache, by kind: "model.layers.<i>.self_attn" (full, or window: a
     `SlidingWindowSpec` when `hybrid`, else full-length as tt-metal), ".compressor" (csa / hca), ".indexer"
-    (index_keys) and "<that>.state" (the compressor's partial group). A DeepSeek reuse layer has no compressed
-    cache of its own: it reads its source layer's. `dtype`: the paged caches' (vLLM's), states keep theirs."""
+    (index_keys) and "<that>.state.<a|g>" (a gated compressor's per-token projections / gates). A DeepSeek reuse
+    layer has no compressed cache of its own: it reads its source layer's. `dtype`: the token and compressed
+    caches' (vLLM's); compressor state keeps the lowering's (fp32). Heads: 1 unless declared (DeepSeek's latent
+    K = V and indexer keys are single-head, `tensors` 1)."""
     specs, owner = {}, {}
     for c in cache_kinds(cfg, block_size):
         i, kind = c["layer"], c["kind"]
         base = f"model.layers.{i}.self_attn"
         if kind == "reuse":
             continue
-        if kind == "compressor_state":
-            specs[base + _CACHE_SUFFIX[c["of"]] + ".state"] = SequenceStateSpec(tuple(c["entry_shape"]), c["dtype"])
-            continue
-        if kind not in _CACHE_SUFFIX:
+        if kind != "compressor_state" and kind not in _CACHE_SUFFIX:
             raise NotImplementedError(f"layer {i}: cache kind {kind!r} has no generator spec")
-        heads, width = c["entry_shape"]
-        common = dict(block_size=block_size, num_kv_heads=heads, head_size=width, dtype=dtype,
+        common = dict(block_size=block_size, num_kv_heads=c.get("heads", 1), head_size=c["width"], dtype=dtype,
                       tensors=c.get("tensors", 1))
-        if kind in ("full", "window") and not (hybrid and kind == "window"):
-            spec = FullAttentionSpec(**common)
+        if kind == "compressor_state":
+            spec = CompressorStateSpec(**{**common, "dtype": c["dtype"]}, of=c["of"])
+            name = f"{base}{_CACHE_SUFFIX[c['of']]}.state.{c['cache'].split('.')[-1]}"
+        elif kind in ("full", "window") and not (hybrid and kind == "window"):
+            spec, name = FullAttentionSpec(**common), base
         elif kind == "window":
-            spec = SlidingWindowSpec(**common, sliding_window=c["ring"])
+            spec, name = SlidingWindowSpec(**common, sliding_window=c["ring"]), base
         else:
             spec = CompressedSpec(**common, compress_ratio=c["tokens_per_entry"], kind=kind)
-        name = base + _CACHE_SUFFIX[kind]
+            name = base + _CACHE_SUFFIX[kind]
         if name in owner:
             raise ValueError(f"{name}: declared twice ({owner[name]} and {kind})")
         specs[name], owner[name] = spec, kind

@@ -428,14 +428,20 @@ def test_deepseek_hybrid_kv_specs(version):
             comp = specs[base + ".compressor"]
             assert type(comp) is G.CompressedSpec and comp.compress_ratio == slots["compressed"].per
             assert comp.kind == ("csa" if m.select == "indexer" else "hca")
-            state = specs.get(base + ".compressor.state")  # the partial group: none when every token closes one
-            assert isinstance(state, G.SequenceStateSpec) if m.ratio > 1 else state is None
+            state = specs.get(base + ".compressor.state.a")  # a gated compressor's per-token projections
+            assert (state is not None) == bool(m.compressor_gate)
+            if state is not None:
+                assert type(state) is G.CompressorStateSpec and state.dtype == "ttnn.float32"
+                assert state.head_size == (2 if m.overlap else 1) * cfg.head_dim and state.of == comp.kind
+                assert specs[base + ".compressor.state.g"] == state
         else:  # SWA-only or a reuse layer: it reads a source layer's compressed cache
             assert base + ".compressor" not in specs
         if "index_keys" in slots:
             keys = specs[base + ".indexer"]
             assert (keys.kind, keys.compress_ratio, keys.head_size) == ("index_keys", slots["index_keys"].per,
                                                                         m.index_head_dim)
+            istate = specs.get(base + ".indexer.state.a")  # V4: the indexer's own compressor
+            assert (istate is not None) == (m.index_keys == "compressor")
         else:
             assert base + ".indexer" not in specs
     kinds = {(type(s).__name__, getattr(s, "kind", None)) for s in specs.values() if isinstance(s, G.AttentionSpec)}
