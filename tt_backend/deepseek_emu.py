@@ -234,7 +234,7 @@ class DeepSeekEmulator:
         i, kind = cache_name.split(".")[1:3]
         return self.cfg.layers[int(i)].attention.mla.ratio if kind in ("cmp", "ikeys") else 1
 
-    def _run(self, prog: TTProgram, host: dict) -> dict:
+    def _run(self, prog: TTProgram, host: dict, override: dict | None = None) -> dict:
         self._weights = self._weights or {}
         specs = {k: s for k, s in prog.tensors.items() if s.kind == "weight" and k not in self._weights}
         if specs:  # prepared once; decode adds shape-dependent constants (the candidate expansion over the cache)
@@ -264,17 +264,20 @@ class DeepSeekEmulator:
             res = (res,) if len(c.outputs) == 1 else res
             for name, val in zip(c.outputs, res):
                 t[name] = self._store(val, prog.tensors[name].dtype, "device")
+                if override and name in override:  # isolate a layer: what reaches it is the reference's
+                    t[name] = override[name]
         return t
 
-    def prefill(self, tokens, user: int = 0, return_all: bool = False):
-        """One user's prompt -> logits [T, vocab]; fills that user's caches."""
+    def prefill(self, tokens, user: int = 0, return_all: bool = False, override: dict | None = None):
+        """One user's prompt -> logits [T, vocab]; fills that user's caches. override: tensors whose computed
+        values are replaced (e.g. an exact run's, to feed one layer the reference's inputs)."""
         tokens = np.asarray(tokens).reshape(-1)
         T, S = len(tokens), padded_prefill_len(len(tokens))
         prog = self.programs(T).prefill
         self.history[user] = list(tokens)
         host = inputs(self.cfg, self.model.params, [tokens], np.arange(S), prog,
                       {r: v for r, v in self._tables([user]).items()})
-        t = self._run(prog, host)
+        t = self._run(prog, host, override)
         x = t[prog.outputs[0]]
         return t if return_all else np.asarray(x, F32).reshape(-1, x.shape[-1])[:T]
 
