@@ -5,13 +5,15 @@
   fp4      packed e2m1 + E8M0 scales [L*E, N, K/2 | K/32], decoded inside the kernel (reads the quantized bytes)
   fp4_xla  the path the kernel replaces: XLA gathers the chosen experts' bytes, `qdq.dequant` to bf16, einsum
 
-at B=1 and B=8 tokens (4 and 32 routed rows); each timed call runs the matmul of all 24 layers in a fori_loop (the
-ids offset by the layer, as the model's scan does), so no slab is read twice from L2. Reported: ms per matmul,
+at B=1 and B=8 tokens (4 and 32 routed rows); each timed call runs the matmul of all 24 layers (the ids offset by
+the layer, as the model's scan does; unrolled, so no loop overhead), so no slab is read twice from L2. Reported: ms per matmul,
 bytes of the routed experts' slabs (distinct experts: bf16 2 B a weight, FP4 0.5 + 1/32) and GB/s. Then
 `jm.generate` decode tok/s of a GPT-OSS-20B-shape model, random weights, experts either bf16 or FP4 kept quantized
 (`init_params(fp4_experts=True)`: MXFP4's layout, [E, out, in/2] + E8M0 per 32; importing a GPT-OSS checkpoint
 today dequantises its MXFP4 experts, only DeepSeek V4 imports keep them, so this stage is random weights).
-Each stage runs in its own process (`--stages kernel,generate_fp4,generate_bf16`); ~3-4 minutes on an H200.
+generate_fp4_xla is the same FP4 model through the path the kernel replaces (XLA gather + dequant + einsum). Each
+stage runs in its own process (`--stages kernel,generate_fp4,generate_fp4_xla,generate_bf16`); ~4 minutes on an
+H200 (drop generate_bf16, measured in BENCHMARKS.md's decode section, if time is short).
 
     python3 benchmarks/gathered_fp4_probe.py --out $OUT
     python3 benchmarks/gathered_fp4_probe.py --out /tmp/probe --tiny      # CPU smoke (kernel interpreted)
@@ -25,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-STAGES = "kernel,generate_fp4,generate_bf16"
+STAGES = "kernel,generate_fp4,generate_fp4_xla,generate_bf16"
 HBM_GBS = 4474.0  # H200, measured (BENCHMARKS.md, dense section)
 
 
@@ -72,10 +74,8 @@ def kernel_stage(a):
         x = jax.random.normal(jax.random.key(B), (B * k, K), jnp.float32).astype(dt)
         ids = jnp.asarray(experts, jnp.int32)
         for name, (w, mm, per_expert) in variants.items():
-            def layers(x, w, ids, mm=mm):  # every layer's matmul, as the model's scan calls it
-                def body(layer, acc):
-                    return acc + mm(x, w, layer * E + ids).astype(jnp.float32)
-                return jax.lax.fori_loop(0, L, body, jnp.zeros((x.shape[0], N), jnp.float32))
+            def layers(x, w, ids, mm=mm):  # every layer's matmul in one program (no loop's host round trips)
+                return sum(mm(x, w, layer * E + ids).astype(jnp.float32) for layer in range(L))
 
             t = _time(jax.jit(layers), x, w, ids, reps=2 if a.tiny else 10) / L
             nbytes = distinct * per_expert
@@ -95,7 +95,7 @@ def kernel_stage(a):
             "backend": jax.default_backend(), "results": out}
 
 
-def generate_stage(a, fp4: bool):
+def generate_stage(a, fp4: bool, kernel: bool = True):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -104,6 +104,11 @@ def generate_stage(a, fp4: bool):
     from benchmarks.bench_moe import GPT_OSS_20B, TINY
     from jaxmodels import families, model as M
 
+    from jaxmodels.layers import gathered
+
+    if not kernel:  # the replaced path: XLA gathers the chosen experts' bytes and expands them to bf16
+        fits = gathered.fits
+        gathered.fits = lambda x, w: not isinstance(w, dict) and fits(x, w)
     hf = TINY if a.tiny else GPT_OSS_20B
     cfg = families.config_from_hf(hf)
     dt = jnp.float32 if a.tiny else jnp.bfloat16
@@ -115,7 +120,7 @@ def generate_stage(a, fp4: bool):
                        and "shared" not in jax.tree_util.keystr(path))
     model = jm.Model(cfg, params, None)
     rng = np.random.default_rng(0)
-    res = {"experts": "fp4 kept quantized" if fp4 else str(jnp.dtype(dt)), "init_s": round(time.perf_counter() - t0, 1),
+    res = {"experts": ("fp4 kept quantized" + ("" if kernel else ", XLA dequant path")) if fp4 else str(jnp.dtype(dt)), "init_s": round(time.perf_counter() - t0, 1),
            "expert_bytes_all_layers": int(expert_bytes), "backend": jax.default_backend(), "decode": []}
 
     def gen(B, prompt, new, max_len):
@@ -141,7 +146,8 @@ def generate_stage(a, fp4: bool):
 
 def child(a):
     name = a.child
-    res = kernel_stage(a) if name == "kernel" else generate_stage(a, fp4=name == "generate_fp4")
+    res = kernel_stage(a) if name == "kernel" else generate_stage(a, fp4=name.startswith("generate_fp4"),
+                                                                kernel=name != "generate_fp4_xla")
     res["stage"] = name
     with open(os.path.join(a.out, f"gathered_fp4_{name}.json"), "w") as fh:
         json.dump(res, fh, indent=1)

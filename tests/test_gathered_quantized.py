@@ -46,15 +46,16 @@ def check(x, w, ids, tol=1e-5):
 
 
 def test_e2m1_values_are_qdq_table_bit_for_bit():
-    got = np.asarray(gathered.e2m1_value(jnp.arange(16, dtype=jnp.int32)))
+    got = np.asarray(gathered.e2m1_bits(jnp.arange(16, dtype=jnp.int32)))
     np.testing.assert_array_equal(got.view(np.uint32), qdq.FP4_TABLE.view(np.uint32))  # -0.0 included
 
 
 @pytest.mark.parametrize("n,G,N,K", [
     (1, 4, 16, 32),      # one scale block, one column block of 16
-    (5, 8, 48, 96),      # an odd number of scale blocks (one a step), column blocks of 16
-    (12, 3, 192, 320),   # 64-column blocks, two scale blocks a step, K split over 5 programs
-    (4, 96, 64, 2880),   # GPT-OSS widths: 90 scale blocks, split in 45 steps over several programs
+    (5, 8, 48, 96),      # an odd number of scale blocks (one a load), column blocks of 16
+    (12, 3, 192, 320),   # 64-column blocks, two scale blocks a load, K split over 5 programs
+    (2, 4, 32, 384),     # two scale blocks a load, three loads a step
+    (4, 96, 64, 2880),   # GPT-OSS widths: 90 scale blocks, 15 steps of 3 loads, split over several programs
 ])
 def test_fp4_kernel_equals_dequant_then_matmul(n, G, N, K):
     rng = np.random.default_rng(n * 100 + G)
