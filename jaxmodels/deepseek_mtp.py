@@ -1,6 +1,6 @@
 """DeepSeek multi-token prediction as pure functions (specs/deepseek_v4.md §8): V4.1's DSpark drafter and
-V4's classic MTP block. Used later for speculative decoding; the backbone (jaxmodels/model.py) does not
-depend on any of this.
+V4's classic MTP block, the drafters of speculative decoding (jaxmodels/speculative.py); the backbone
+(jaxmodels/model.py) does not depend on any of this.
 
 Params live under params["mtp"][str(m)] (jaxmodels.plan.mtp_param_specs), each a layer of `cfg.mtp.layer` (window-only
 attention, MoE with the MTP's own expert counts, falling back to the backbone's as the reference's
@@ -21,8 +21,9 @@ the next id greedily (the reference samples with its temperature; here greedy). 
 proj(cat(x, markov_embed)) on the collapsed hidden BEFORE the final norm.
 
 Entry points: `dspark_draft` (from the last `window` mains), or for serving the rings `dspark_init_cache` /
-`dspark_prefill_cache` / `dspark_step_cache` / `dspark_draft_cached`; `mtp_forward` (V4); `backbone` (a full
-forward that also returns the mains and the final hc stream).
+`dspark_prefill_cache` / `dspark_extend_cache` / `dspark_step_cache` / `dspark_draft_cached`; `mtp_forward` (V4), or
+cached `mtp_init_cache` / `mtp_extend`; `backbone` (a full forward that also returns the mains and the final hc
+stream). jaxmodels/speculative.py drafts with them.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from jaxmodels import cache as kv, model
 from jaxmodels.config import ModelConfig
 from jaxmodels.layers import mhc, mla, moe, rope
 from jaxmodels.layers.norms import norm
-from jaxmodels.plan import mtp_cache_specs
+from jaxmodels.plan import cache_specs, mtp_cache_specs
 
 F32 = jnp.float32
 
@@ -121,9 +122,11 @@ def dspark_draft(params, cfg: ModelConfig, mains, last_token, start_pos):
     return dspark_draft_from_window(params, cfg, window, ok, last_token, sp)
 
 
-def dspark_draft_from_window(params, cfg: ModelConfig, window_kv, window_ok, last_token, start_pos):
+def dspark_draft_from_window(params, cfg: ModelConfig, window_kv, window_ok, last_token, start_pos, pick=None):
     """The draft from each stage's main-KV window (a ring kept by the caller, or dspark_window_kv's rows):
-    window_kv {stage: [B, N, d]}, window_ok [B, N] marks the filled slots (order is irrelevant)."""
+    window_kv {stage: [B, N, d]}, window_ok [B, N] marks the filled slots (order is irrelevant). pick(i, row):
+    the id of draft step i from its logits row [B, V] incl. the Markov bias (default: argmax, the greedy draft;
+    speculative sampling draws from it)."""
     t = cfg.mtp
     dt = params["embed"].dtype
     blk, n, last = t.block_size, t.layer.mhc.copies, str(t.layers - 1)
@@ -150,7 +153,7 @@ def dspark_draft_from_window(params, cfg: ModelConfig, window_kv, window_ok, las
         row = logits[:, i] + e @ mh
         rows.append(row)
         embeds.append(e)
-        out.append(jnp.argmax(row, axis=-1).astype(jnp.int32))
+        out.append(jnp.argmax(row, axis=-1).astype(jnp.int32) if pick is None else pick(i, row))
     logits = jnp.stack(rows, axis=1)
     feats = jnp.concatenate([h.astype(F32), jnp.stack(embeds, axis=1)], axis=-1)
     conf = (feats @ pl["confidence_head"]["proj"].astype(F32))[..., 0]
@@ -166,11 +169,17 @@ def dspark_init_cache(cfg: ModelConfig, batch: int, dtype, block_size: int = 0, 
 def dspark_prefill_cache(params, cfg: ModelConfig, cache, mains, lengths):
     """Fill the rings from a right-padded prefill: mains [B, T, K*D] of positions 0..T-1, `lengths` [B]
     (the reference's `forward_spec` at start_pos 0, which only seeds the window)."""
-    B, T = mains.shape[:2]
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return dspark_extend_cache(params, cfg, cache, mains, jnp.zeros_like(jnp.asarray(lengths)), lengths)
+
+
+def dspark_extend_cache(params, cfg: ModelConfig, cache, mains, start, lengths):
+    """Write the main-KV of backbone positions start[b] .. start[b]+lengths[b]-1: mains [B, T, K*D] of a chunk
+    (a prefill from 0, or the accepted part of a speculative step's verified chunk)."""
+    start, lengths = jnp.asarray(start, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    pos = start[:, None] + jnp.arange(mains.shape[1], dtype=jnp.int32)
     lc = kv.LayerCache(cache, 0, 0)
     for m, v in dspark_window_kv(params, cfg, mains, pos).items():
-        lc.write(f"stage{m}", v[:, None], lengths)
+        lc.write(f"stage{m}", v[:, None], lengths, start)
     return lc.cache
 
 
@@ -182,15 +191,16 @@ def dspark_step_cache(params, cfg: ModelConfig, cache, mains, positions):
     return lc.cache
 
 
-def dspark_draft_cached(params, cfg: ModelConfig, cache, last_token, start_pos):
-    """dspark_draft over the rings (after dspark_step_cache at `start_pos`, or a prefill ending there)."""
+def dspark_draft_cached(params, cfg: ModelConfig, cache, last_token, start_pos, pick=None):
+    """dspark_draft over the rings (after dspark_step_cache at `start_pos`, or a prefill ending there); pick: see
+    dspark_draft_from_window."""
     lc = kv.LayerCache(cache, 0, 0)
     sp = jnp.broadcast_to(jnp.asarray(start_pos, jnp.int32), (jnp.asarray(last_token).shape[0],))
     stages = [str(m) for m in range(cfg.mtp.layers)]
     wpos = lc.positions("stage0", sp)
     ok = (wpos >= 0) & (wpos > sp[:, None] - cfg.mtp.layer.attention.window)
     window = {m: lc.read(f"stage{m}")[:, 0] for m in stages}
-    return dspark_draft_from_window(params, cfg, window, ok, last_token, start_pos)
+    return dspark_draft_from_window(params, cfg, window, ok, last_token, start_pos, pick)
 
 
 # ---------------------------------------------------------------------------------------- V4 classic MTP
@@ -201,15 +211,37 @@ def mtp_forward(params, cfg: ModelConfig, h_stream, tokens, depth: int = 0):
     hc_head); tokens [B, T]: the token at t+1+depth for each position t (the caller shifts). Returns
     (logits [B, T, V] fp32 predicting the token at t+2+depth, the block's output stream [B, T, n, D] for the
     next depth)."""
-    p = params["mtp"][str(depth)]
-    dt = params["embed"].dtype
     B, T = tokens.shape
     ctx = _ctx(cfg, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+    return _mtp_block(params, cfg, h_stream, tokens, ctx, None, depth)[:2]
+
+
+def _mtp_block(params, cfg, h_stream, tokens, ctx, lc, depth):
+    p = params["mtp"][str(depth)]
+    dt = params["embed"].dtype
     e = mla.rms(cfg, params["embed"][tokens].astype(dt), p["enorm"])
     hs = mla.rms(cfg, h_stream.astype(dt), p["hnorm"])  # per copy, over D
     X = (mla.linear(ctx, e, p["e_proj"])[:, :, None, :] + mla.linear(ctx, hs, p["h_proj"])).astype(dt)
-    attn = lambda h: mla.attention(cfg, cfg.mtp.layer, p["attn"], h, ctx, None, {})[0]  # noqa: E731
+    attn = lambda h: mla.attention(cfg, cfg.mtp.layer, p["attn"], h, ctx, lc, {})[0]  # noqa: E731
     X, _ = _block(cfg, p, X, None, attn, tokens, ctx)
     pre = mhc.head_pre(X, p["hc_head"], norm_eps=cfg.norm_eps, hc_eps=cfg.mtp.layer.mhc.eps)
     h = mla.rms(cfg, mhc.collapse(X, pre), p["norm"])
-    return jnp.einsum("btd,dv->btv", h.astype(F32), params["lm_head"].astype(F32)), X
+    logits = jnp.einsum("btd,dv->btv", h.astype(F32), params["lm_head"].astype(F32))
+    return logits, X, None if lc is None else lc.cache
+
+
+def mtp_init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int = 0) -> kv.Cache:
+    """V4 classic MTP's cache: each depth's window ring of KV (its layer's cache spec), with `lookahead` spare
+    slots (see model.init_cache) for the positions a recursive draft writes and the next step overwrites."""
+    specs = tuple(model.roomier(s, lookahead) for s in cache_specs(cfg, cfg.mtp.layer))
+    return kv.build([specs], (cfg.mtp.layers,), batch, max_len, dtype)
+
+
+def mtp_extend(params, cfg: ModelConfig, cache, h_stream, tokens, start, lengths, depth: int = 0):
+    """mtp_forward over a chunk continuing the cache: row b's inputs sit at positions start[b] + t and the first
+    lengths[b] are written into the window ring (h_stream [B, T, n, D]: the stream at those positions; tokens
+    [B, T]: the token after each). Returns (logits [B, T, V], output stream [B, T, n, D], cache)."""
+    start, lengths = jnp.asarray(start, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    ctx = {**_ctx(cfg, positions), "mode": "extend", "start": start, "lengths": lengths}
+    return _mtp_block(params, cfg, h_stream, tokens, ctx, kv.LayerCache(cache, 0, depth), depth)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels import model as M, multimodal, sharding
+from jaxmodels import model as M, multimodal, sharding, speculative
 from jaxmodels.layers import vision as _vision
 from jaxmodels.distributed import to_host
 from jaxmodels.sampling import Sampling, is_int, sample
@@ -21,6 +21,9 @@ class GenerateOutput:
     texts: list[str] | None  # decoded, when the model has a tokenizer
     prompt_tokens: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the jitted program (includes compilation on first use)
+    # speculative decoding (num_speculative_tokens > 0), summed over rows; None otherwise
+    acceptance_rate: float | None = None  # accepted drafts / proposed drafts
+    tokens_per_step: float | None = None  # tokens emitted per verify step and row (accepted drafts + 1)
 
     @property
     def tokens_per_second(self) -> float:
@@ -44,7 +47,7 @@ def _stop_table(seqs: list[list[int]]) -> np.ndarray:
     return table
 
 
-def _stopped(tail, stops):
+def stopped(tail, stops):
     """tail [B, L] last generated ids (-2 before the first), stops [S, L] -> [B] bool: a row ends with a stop."""
     hit = (stops[None] == tail[:, None]) | (stops[None] == -1)
     return jnp.any(jnp.all(hit, axis=-1), axis=-1)
@@ -67,7 +70,7 @@ def _generate(params, tokens, lengths, key, eos, stops=None, images=None, *, cfg
     first = sample(logits, sub, sampling)
     out = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
     tail = jnp.full((B, stops.shape[1]), -2, jnp.int32).at[:, -1].set(first)  # the last L tokens, for stops
-    done = jnp.isin(first, eos) | _stopped(tail, stops)
+    done = jnp.isin(first, eos) | stopped(tail, stops)
 
     def cond(state):
         step, _, _, _, done, _, _ = state
@@ -81,7 +84,7 @@ def _generate(params, tokens, lengths, key, eos, stops=None, images=None, *, cfg
         nxt = jnp.where(done, 0, nxt)
         out = out.at[:, step].set(nxt)
         tail = jnp.concatenate([tail[:, 1:], nxt[:, None]], axis=1)
-        done = done | jnp.isin(nxt, eos) | _stopped(tail, stops)  # a done row idles; the others go on
+        done = done | jnp.isin(nxt, eos) | stopped(tail, stops)  # a done row idles; the others go on
         return step + 1, nxt, out, tail, done, cache, key
 
     state = (jnp.int32(1), first, out, tail, done, cache, key)
@@ -92,7 +95,7 @@ def _generate(params, tokens, lengths, key, eos, stops=None, images=None, *, cfg
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, seed: int = 0, stop=None,
              chat: bool = False, ignore_eos: bool = False, max_len: int | None = None,
-             unroll: int | bool = 1, images=None) -> GenerateOutput:
+             unroll: int | bool = 1, images=None, num_speculative_tokens: int = 0) -> GenerateOutput:
     """Generate continuations for a batch of prompts (strings, or lists of token ids).
 
     chat: wrap each string prompt as one user message with the checkpoint's chat template.
@@ -105,6 +108,12 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
         model's max_position_embeddings.
     unroll: `lax.scan`'s unroll of the decode loop over layers (1: scanned, compile time independent of depth;
         unrolling no longer buys speed on GPU, see `model.COMPILER_OPTIONS`).
+    num_speculative_tokens: k > 0 decodes speculatively with the model's own draft heads (DeepSeek V4.1's DSpark,
+        k <= its block size; V4's classic MTP, applied recursively): each step the drafter proposes k tokens and
+        one target pass over k+1 positions verifies them (`jaxmodels.speculative`). Greedy output is the plain
+        decode's, token for token (up to fp rounding between one-token and chunked passes); sampled output has
+        the target's distribution (the standard rejection rule). The result's `acceptance_rate` and
+        `tokens_per_step` report how well the drafter did. Needs the MTP parameters (params["mtp"]); no images.
 
     Token ids must be ints in [0, vocab_size); bad ids, stops and sampling arguments raise ValueError.
     """
@@ -116,6 +125,16 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     if not is_int(seed) or not 0 <= seed < 2**32:  # PRNGKey keeps 32 bits: larger or negative seeds collide
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     sampling = Sampling(temperature, top_k, top_p, min_p)
+    k = num_speculative_tokens
+    if not is_int(k) or k < 0:
+        raise ValueError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
+    if k and (cfg.mtp is None or "mtp" not in model.params):
+        raise ValueError(f"num_speculative_tokens={k} needs a model with MTP draft heads (DeepSeek V4 / V4.1 loaded "
+                         f"with its mtp.* tensors); {cfg.family} has none")
+    if k and cfg.mtp.kind == "dspark" and k > cfg.mtp.block_size:
+        raise ValueError(f"num_speculative_tokens={k} exceeds the DSpark block size {cfg.mtp.block_size}")
+    if k and images is not None:
+        raise ValueError("num_speculative_tokens does not support images")
     if not len(prompts):
         raise ValueError("no prompts given")
     vision = {}
@@ -127,13 +146,15 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     stops = _stops(stop, tok, cfg.vocab_size)
     longest = max(map(len, ids))
     limit = cfg.max_position_embeddings
-    if longest + max_new_tokens > limit:
-        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+    need = longest + max_new_tokens + k  # a verify step may run k positions past the last emitted token
+    extra = f" + num_speculative_tokens={k}" if k else ""
+    if need > limit:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{extra} exceeds the model's "
                          f"max_position_embeddings={limit}")
-    if max_len is not None and (not is_int(max_len) or not longest + max_new_tokens <= max_len <= limit):
+    if max_len is not None and (not is_int(max_len) or not need <= max_len <= limit):
         raise ValueError(f"max_len={max_len!r} must be an int between prompt ({longest}) + max_new_tokens "
-                         f"({max_new_tokens}) and the model's max_position_embeddings={limit}")
-    max_len = max_len or min(_bucket(longest + max_new_tokens), limit)
+                         f"({max_new_tokens}){extra} and the model's max_position_embeddings={limit}")
+    max_len = max_len or min(_bucket(need), limit)
     T = min(_bucket(longest), limit)
     tokens = np.zeros((len(ids), T), np.int32)
     for i, p in enumerate(ids):
@@ -147,18 +168,31 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
         vision["cross_attention_mask"] = np.pad(m, ((0, 0), (0, T - m.shape[1]), (0, 0), (0, 0)))
     arrays, static = _vision.inputs(cfg, tokens, vision)
     t0 = time.perf_counter()
+    stats = None
     with sharding.entered(model.sharding):
-        out, steps = _generate(model.params, tokens, lengths, np.asarray(jax.random.PRNGKey(seed)),
-                               np.asarray(sorted(eos) or [-1], np.int32), _stop_table([q for _, q in stops if q]),
-                               arrays or None, cfg=cfg, max_new=max_new_tokens, sampling=sampling, max_len=max_len,
-                               unroll=unroll, shard=model.sharding, static=static)
+        if k:
+            out, steps, stats = speculative.generate(
+                model.params, tokens, lengths, np.asarray(jax.random.PRNGKey(seed)),
+                np.asarray(sorted(eos) or [-1], np.int32), _stop_table([q for _, q in stops if q]), cfg=cfg,
+                max_new=max_new_tokens, sampling=sampling, max_len=max_len, k=k, shard=model.sharding)
+        else:
+            out, steps = _generate(model.params, tokens, lengths, np.asarray(jax.random.PRNGKey(seed)),
+                                   np.asarray(sorted(eos) or [-1], np.int32),
+                                   _stop_table([q for _, q in stops if q]), arrays or None, cfg=cfg,
+                                   max_new=max_new_tokens, sampling=sampling, max_len=max_len, unroll=unroll,
+                                   shard=model.sharding, static=static)
     out = to_host(out)[:, : int(steps)]
     seconds = time.perf_counter() - t0
     results = [_cut(list(map(int, row)), eos, stops, tok) for row in out]
     texts = [tok.decode(r) for r in results] if tok is not None else None
     if texts is not None and stops:
         texts = [_cut_text(t, [s for s, _ in stops if s is not None]) for t in texts]
-    return GenerateOutput(results, texts, ids, seconds)
+    result = GenerateOutput(results, texts, ids, seconds)
+    if stats is not None:
+        row_steps, proposed, accepted = (int(v) for v in to_host(stats))
+        result.acceptance_rate = accepted / proposed if proposed else 0.0
+        result.tokens_per_step = (accepted + row_steps) / row_steps if row_steps else 0.0
+    return result
 
 
 def _with_images(model, prompts, images, chat: bool) -> tuple[list[list[int]], dict]:

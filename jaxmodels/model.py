@@ -24,7 +24,8 @@ from jaxmodels import cache as kv
 from jaxmodels.config import ModelConfig
 from jaxmodels.layers import attention, engram, mhc, mla, mlp, moe, rope, vision
 from jaxmodels.layers.norms import norm
-from jaxmodels.plan import Plan, flatten, mtp_param_specs, param_specs, plan, unflatten
+from jaxmodels.plan import (Plan, SlotSpec, StateSpec, cache_specs, flatten, model_state_specs, mtp_param_specs,
+                            param_specs, plan, unflatten)
 
 F32 = jnp.float32
 # Options for jax.jit of the model's functions. XLA:GPU's Triton GEMM fusions read a scanned layer's weights
@@ -37,10 +38,11 @@ COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes
 
 # ----------------------------------------------------------------------------------------------- parameters
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02,
-                fp4_experts: bool = False) -> dict:
+                fp4_experts: bool = False, mtp: bool = False) -> dict:
     """Random parameters at the config's shapes, by each ParamSpec's init and dtype (tests and benchmarks).
-    fp4_experts: routed experts as random FP4 bytes with E8M0 scale 2^-6 (kept quantized, [E, out, in/2])."""
-    flat = flatten(param_specs(cfg))
+    fp4_experts: routed experts as random FP4 bytes with E8M0 scale 2^-6 (kept quantized, [E, out, in/2]).
+    mtp: DeepSeek's MTP blocks too (params["mtp"], plan.mtp_param_specs)."""
+    flat = flatten(param_specs(cfg) | (mtp_param_specs(cfg) if mtp else {}))
     keys = jax.random.split(jax.random.PRNGKey(seed), len(flat))
     out = {}
     for key, (path, s) in zip(keys, flat.items()):
@@ -217,24 +219,28 @@ def _rope_tables(cfg: ModelConfig, positions, dtype, valid=None) -> dict:
     return out
 
 
-def _engram(cfg: ModelConfig, params, tokens, cache, mode, lengths, dead=None):
-    """Hash columns [B, T, engram layers, cols] of this step's tokens (the previous n-1 ids come from the cache's
-    history in decode) and the updated history. dead [B, T]: tokens that take no part in an n-gram (image spans)."""
+def _engram(cfg: ModelConfig, params, tokens, cache, mode, lengths, begin, dead=None):
+    """Hash columns [B, T, engram layers, cols] of this step's tokens at positions begin[b] + t and the updated
+    history: a ring of compressed ids, position p in slot p % size (size >= max_ngram - 1; decode and extend
+    read the n-1 ids before `begin` from it). dead [B, T]: tokens that take no part in an n-gram (image spans)."""
     e = cfg.engram
     B, T = tokens.shape
     ids = params["engram_map"][tokens]
     if dead is not None:
         ids = jnp.where(dead, engram.DEAD, ids)
-    hist = cache.extra["engram_history"] if mode == "decode" else jnp.full((B, e.max_ngram - 1), engram.DEAD, jnp.int32)
+    cont = mode in ("decode", "extend")
+    ring = cache.extra["engram_history"] if cache is not None else jnp.full((B, e.max_ngram - 1), engram.DEAD)
+    S = ring.shape[1]
+    hp = begin[:, None] - (e.max_ngram - 1) + jnp.arange(e.max_ngram - 1)
+    hist = jnp.where(cont & (hp >= 0), jnp.take_along_axis(ring, hp % S, axis=1), engram.DEAD)
     layout = engram.EngramLayout.from_config(e.layer_ids, e.max_ngram, e.vocab_size, e.n_heads, e.compressed_vocab)
     cols = engram.ngram_hashes(ids, layout, params["engram_map"][e.pad_token], history=hist)
-    seq = jnp.concatenate([hist, ids], axis=1)
-    if mode == "decode":
-        new = seq[:, 1:]
-    else:  # the n-1 ids before position `length`
-        new = jnp.take_along_axis(seq, (lengths if lengths is not None else jnp.full((B,), T))[:, None]
-                                  + jnp.arange(e.max_ngram - 1), axis=1)
-    return cols, new
+    n = lengths if mode != "decode" and lengths is not None else jnp.full((B,), T)
+    last = (begin + n - 1)[:, None]
+    p = last - (last - jnp.arange(S)) % S  # the latest position <= last in each slot
+    new = jnp.take_along_axis(ids, jnp.clip(p - begin[:, None], 0, T - 1), axis=1)
+    old = ring if cont else jnp.full_like(ring, engram.DEAD)
+    return cols, jnp.where(p >= begin[:, None], new, old).astype(ring.dtype)
 
 
 def hidden(params, cfg: ModelConfig, tokens, positions, mode: str, cache=None, lengths=None, unroll=1,
@@ -282,7 +288,8 @@ def hidden(params, cfg: ModelConfig, tokens, positions, mode: str, cache=None, l
         carry["x"] = jnp.broadcast_to(x[:, :, None, :], (B, T, cfg.mhc.copies, D))
         carry["pre"] = jax.nn.one_hot(jnp.zeros((B, T), jnp.int32), cfg.mhc.copies, dtype=F32)
     if cfg.engram is not None:
-        ctx["engram"], history = _engram(cfg, params, tokens, cache, mode, lengths, image)
+        begin = start if mode == "extend" else positions[:, 0] if mode == "decode" else jnp.zeros_like(positions[:, 0])
+        ctx["engram"], history = _engram(cfg, params, tokens, cache, mode, lengths, begin, image)
         if cache is not None:
             carry["cache"] = dataclasses.replace(cache, extra={**cache.extra, "engram_history": history})
     targets = cfg.mtp.target_layers if collect and cfg.mtp is not None else ()
@@ -339,13 +346,36 @@ def forward(params, cfg: ModelConfig, tokens, positions=None, shard=None, images
     return head(params, cfg, x, shard)
 
 
+# per-sequence state that is a ring of positions (plan.cache_specs / model_state_specs): lookahead enlarges these
+RINGS = ("buf_kv", "buf_gate", "ibuf_kv", "ibuf_gate", "engram_history")
+
+
+def roomier(spec, lookahead: int):
+    """A cache spec whose ring (a sliding window's slots, a compressor's or Engram's state ring) holds `lookahead`
+    more positions; other specs unchanged."""
+    if not lookahead:
+        return spec
+    if isinstance(spec, SlotSpec) and spec.window:
+        return dataclasses.replace(spec, window=spec.window + lookahead)
+    if isinstance(spec, StateSpec) and spec.name in RINGS:
+        return dataclasses.replace(spec, shape=(spec.shape[0] + lookahead, *spec.shape[1:]))
+    return spec
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, block_size: int = 0, tables=None, shard=None,
-               cross_tokens: int = 0):
+               cross_tokens: int = 0, lookahead: int = 0):
     """An empty cache for `batch` sequences of up to `max_len` tokens: contiguous, or paged with `block_size`
     (block tables as jaxmodels.cache.build takes them). cross_tokens: Mllama's image-feature tokens per sequence
-    (see plan.cache_specs)."""
-    return kv.init(cfg, batch, max_len, dtype, block_size, tables,
-                   None if shard is None else functools.partial(_constrain, shard), cross_tokens)
+    (see plan.cache_specs). lookahead: spare ring slots for `extend` chunks whose last `lookahead` tokens may be
+    rejected and overwritten (speculative decoding with that many draft tokens): without them a rejected token
+    evicts a position the next chunk still reads. Paged tables must then be sized by the enlarged windows."""
+    constrain = None if shard is None else functools.partial(_constrain, shard)
+    if not lookahead:
+        return kv.init(cfg, batch, max_len, dtype, block_size, tables, constrain, cross_tokens)
+    pl = plan(cfg)
+    specs = [tuple(roomier(s, lookahead) for s in cache_specs(cfg, spec, cross_tokens)) for spec in pl.kinds]
+    return kv.build(specs, pl.counts, batch, max_len, dtype, block_size, tables,
+                    tuple(roomier(s, lookahead) for s in model_state_specs(cfg)), constrain)
 
 
 def prefill(params, cfg: ModelConfig, tokens, lengths, cache, shard=None, images=None):
@@ -361,10 +391,13 @@ def extend(params, cfg: ModelConfig, tokens, start, lengths, cache, shard=None, 
     """Continue cached sequences by a chunk (chunked prefill; a prompt whose prefix is already cached): row b's
     first lengths[b] tokens of the right-padded chunk [B, T] take positions start[b] .. start[b]+lengths[b]-1 after
     the start[b] positions its cache holds -> (logits of each row's last chunk token [B, vocab], cache). Rows
-    with lengths[b] = 0 keep their cache (their logits mean nothing). GQA families (DeepSeek: not yet). images:
-    see `hidden` (an image's tokens attend to each other only within one chunk)."""
-    if any(s.attention.kind != "gqa" for s in cfg.layers) or cfg.mhc is not None or cfg.engram is not None:
-        raise NotImplementedError(f"{cfg.family}: extend() supports grouped-query attention families only")
+    with lengths[b] = 0 keep their cache (their logits mean nothing). Every family, DeepSeek included (window
+    ring, compressor rings, compressed entries, indexer keys, Engram history). Cache positions at or past
+    start[b] are never read: a chunk may be followed by one that starts inside it (its tail rejected) if the
+    cache was made with `init_cache(..., lookahead)` >= the rejected tail. images: see `hidden` (an image's
+    tokens attend to each other only within one chunk)."""
+    if any(s.attention.kind == "cross" for s in cfg.layers):
+        raise NotImplementedError(f"{cfg.family}: extend() does not support cross-attention layers")
     start, lengths = jnp.asarray(start, jnp.int32), jnp.asarray(lengths, jnp.int32)
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x, cache, _ = hidden(params, cfg, tokens, positions, "extend", cache, lengths, shard=shard, start=start,

@@ -57,7 +57,4 @@ def test_a_row_with_nothing_to_extend_keeps_its_cache():
         assert not np.array_equal(old[:, 1], new[:, 1])
 
 
-def test_deepseek_is_refused_clearly():
-    cfg = _config("deepseek_v4")
-    with pytest.raises(NotImplementedError, match="grouped-query attention"):
-        M.extend(None, cfg, jnp.zeros((1, 4), jnp.int32), [0], [4], None)
+# DeepSeek's extend (window, compressor rings, compressed entries, Engram): tests/test_speculative.py

@@ -186,8 +186,16 @@ def output(cfg, m, p, o, ctx, cos, sin, dtype):
 def attention(cfg, spec, p, x, ctx, cache, state):
     """One layer's attention: x [B, T, D] (normed) -> ([B, T, D], state).
 
-    ctx: positions [B, T], mode (full | prefill | decode), lengths (prefill), rope tables, act_block.
-    cache: this layer's `jaxmodels.cache.LayerCache` (None in full mode); state: what earlier layers published.
+    ctx: positions [B, T], mode (full | prefill | extend | decode), lengths (prefill, extend), start (extend: the
+    positions each row's cache holds), rope tables, act_block. cache: this layer's `jaxmodels.cache.LayerCache`
+    (None in full mode); state: what earlier layers published.
+
+    Extend attends the cache's window ring and the chunk, builds every compressed entry the chunk completes (the
+    group's earlier tokens come from the compressor rings) and writes the chunk. Positions at or past `start` in
+    the cache are never read, so a chunk whose tail is later rejected is simply overwritten by the next extend,
+    provided the rings hold `lookahead` spare slots (`model.init_cache`): the rejected tokens' writes then only
+    evict positions no later query reads. Entries a rejected token completed stay in the cache but are invisible
+    until the group is completed again, which rewrites them.
     """
     a, m = spec.attention, spec.attention.mla
     state = dict(state)
@@ -200,6 +208,15 @@ def attention(cfg, spec, p, x, ctx, cache, state):
         cache.write_token("kv", kv[:, None, 0], p0)
         kv_win, wpos = cache.read("kv")[:, 0], cache.positions("kv", p0)
         allow_win = ((wpos >= 0) & (wpos > p0[:, None] - W))[:, None, :]
+    elif mode == "extend":  # the ring as it was (positions < start) + the chunk
+        start, n = ctx["start"], ctx["lengths"]
+        c_pos = cache.positions("kv", start - 1)
+        kv_win = jnp.concatenate([cache.read("kv")[:, 0].astype(kv.dtype), kv], axis=1)
+        kp = jnp.concatenate([c_pos, pos], axis=1)[:, None, :]
+        ok = jnp.concatenate([c_pos >= 0, jnp.arange(x.shape[1]) < n[:, None]], axis=1)[:, None, :]
+        qp = pos[:, :, None]
+        allow_win = ok & (kp <= qp) & (kp > qp - W)
+        cache.write("kv", kv[:, None], n, start)
     else:
         if mode == "prefill":
             cache.write("kv", kv[:, None], ctx["lengths"])
@@ -243,15 +260,21 @@ def _finish(cfg, cp, pooled, j, ratio, rope_spec, rope_dim, quant):
 
 def _compress(cfg, cp, x, ctx, cache, names, ratio, overlap, rope_spec, rope_dim, quant):
     """A compressor over this step's tokens: (latent, entries) [B, N, c] (full / prefill: every complete group
-    of the chunk; prefill also keeps each row's partial group), or in decode (latent, entry) [B, 1, c] of the
-    group ending at this token with (emitted [B], entry index [B]). names: the cache's (kv ring, gate ring)."""
-    pos = ctx["positions"]
+    of the chunk; prefill also keeps each row's partial group), or in decode / extend the entries from index j0
+    [B] on with `emitted` = (j0, count [B]): the first count of them are complete (decode: the group ending at
+    this token, count 0 or 1). names: the cache's (kv ring, gate ring)."""
+    pos, mode = ctx["positions"], ctx["mode"]
     a, g = _project(cp, x, pos, ratio)
-    if ctx["mode"] != "decode":
+    if mode == "extend":
+        kv, gate, emitted = _extend_groups(cache, names, a, g, ctx, ratio, overlap)
+        pooled = pool(kv, gate).astype(x.dtype)
+        j = emitted[0][:, None] + jnp.arange(pooled.shape[1])
+        return _finish(cfg, cp, pooled, j, ratio, rope_spec, rope_dim, quant), emitted
+    if mode != "decode":
         kv, gate = group_slots(a, g, ratio, overlap)
         pooled = pool(kv, gate).astype(x.dtype)
         j = jnp.broadcast_to(jnp.arange(pooled.shape[1]), pooled.shape[:2])
-        if ctx["mode"] == "prefill":
+        if mode == "prefill":
             cache.fill(names[0], a, ctx["lengths"])
             cache.fill(names[1], g, ctx["lengths"])
         return _finish(cfg, cp, pooled, j, ratio, rope_spec, rope_dim, quant), None
@@ -273,18 +296,53 @@ def _compress(cfg, cp, x, ctx, cache, names, ratio, overlap, rope_spec, rope_dim
         cur_g = jnp.concatenate([prev_g[..., :h], cur_g[..., h:]], axis=1)
     pooled = pool(cur_kv, cur_g).astype(x.dtype)[:, None]
     j = p0 // ratio
-    return _finish(cfg, cp, pooled, j[:, None], ratio, rope_spec, rope_dim, quant), ((p0 + 1) % ratio == 0, j)
+    emitted = (j, ((p0 + 1) % ratio == 0).astype(jnp.int32))
+    return _finish(cfg, cp, pooled, j[:, None], ratio, rope_spec, rope_dim, quant), emitted
+
+
+def _extend_groups(cache, names, a, g, ctx, ratio, overlap):
+    """Extend: the pooling slots (kv, gate) [B, G, slots, c'] of the groups from j0 = start // r on (the first
+    `count` complete by the chunk's end), each group's tokens before `start` read from the rings (which must
+    reach back to the previous group's start with overlap); then the chunk's projections into the rings."""
+    start, n = ctx["start"], ctx["lengths"]
+    B, T, _ = a.shape
+    ov = int(overlap)
+    j0 = start // ratio
+    first = (j0 - ov) * ratio  # the frame starts at a group boundary (overlap: the previous group's)
+    p = first[:, None] + jnp.arange(-(-((ov + 1) * ratio + T) // ratio) * ratio)  # [B, F] positions
+    cached = (p < start[:, None])[..., None]
+    frame = []
+    for name, v in zip(names, (a, g)):
+        buf = cache.get(name)
+        ring = jnp.take_along_axis(buf, (p % buf.shape[1])[..., None], axis=1)
+        new = jnp.take_along_axis(v.astype(buf.dtype), jnp.clip(p - start[:, None], 0, T - 1)[..., None], axis=1)
+        frame.append(jnp.where(cached, ring, new))
+        _ring_write(cache, name, v, start, n)
+    gate = jnp.where((p >= 0)[..., None], frame[1], NEG)  # before the sequence start: weight 0
+    kv, gate = group_slots(frame[0], gate, ratio, overlap)
+    return kv[:, ov:], gate[:, ov:], (j0, (start + n) // ratio - j0)
+
+
+def _ring_write(cache, name, v, start, n):
+    """Positions start .. start+n-1 of v [B, T, c] into the state ring `name` [B, S, c] (slot p % S; where
+    the chunk is longer than the ring, each slot keeps its latest position)."""
+    buf = cache.get(name)
+    S, T = buf.shape[1], v.shape[1]
+    last = (start + n - 1)[:, None]
+    p = last - (last - jnp.arange(S)) % S  # the latest position <= last in each slot
+    new = jnp.take_along_axis(v.astype(buf.dtype), jnp.clip(p - start[:, None], 0, T - 1)[..., None], axis=1)
+    cache.set(name, jnp.where((p >= start[:, None])[..., None], new, buf))
 
 
 def _store(cache, name, entries, ctx, ratio, emitted):
     """Write a compressor's entries into the cache; return what attention reads: this chunk's entries, or in
-    decode the whole cache (the entry written where it was emitted)."""
+    decode / extend the whole cache (the complete entries written from index j0 on)."""
     if ctx["mode"] == "prefill":
         cache.write(name, entries[:, None], ctx["lengths"] // ratio)
-    if ctx["mode"] != "decode":
+    if ctx["mode"] not in ("decode", "extend"):
         return entries
-    emit, j = emitted
-    cache.write_token(name, entries[:, None, 0], jnp.where(emit, j, -1))
+    j0, count = emitted
+    cache.write(name, entries[:, None], count, j0)
     return cache.read(name)[:, 0]
 
 
@@ -303,7 +361,8 @@ def _indexer(cfg, m, rope_spec, ip, x, qr, ctx, cache, state, vis):
     quant = lambda e: _index_qdq(m, ctx, e)  # noqa: E731
     if m.index_keys == "latent":  # V4.1 kv source: keys from the pre-RoPE latent
         latent, emitted = state["latent"]
-        j = emitted[1][:, None] if emitted else jnp.broadcast_to(jnp.arange(latent.shape[1]), latent.shape[:2])
+        j = (emitted[0][:, None] + jnp.arange(latent.shape[1]) if emitted
+             else jnp.broadcast_to(jnp.arange(latent.shape[1]), latent.shape[:2]))
         k = rms(cfg, linear(ctx, latent, ip["wk"], fp8=False), ip["k_norm"])
         cos, sin = rope.cos_sin(rope_spec, m.rope_dim, j * m.ratio, F32)
         state["index_k"] = _store(cache, "index_keys", quant(rope.apply(k, cos, sin, True)), ctx, m.ratio, emitted)
