@@ -225,6 +225,24 @@ def copy_blocks(cache: Cache, src, dst, shard=None) -> Cache:
     return Cache(buffers, cache.tables, cache.state, cache.extra, cache.layout)
 
 
+def extends(model, abstract: Cache) -> bool:
+    """Whether `M.extend` runs this model (chunked prefill, prefix caching; without it whole prompts prefill from
+    position 0), found by tracing it once on the abstract cache: a family gains chunks as soon as the model
+    supports it."""
+    def one(params, cache):
+        one_row = jnp.ones(1, jnp.int32)
+        return M.extend(params, model.config, jnp.zeros((1, 1), jnp.int32), one_row, one_row, cache)
+
+    one_block = tuple(jax.ShapeDtypeStruct((b.shape[0], 1, *b.shape[2:]), b.dtype) for b in abstract.buffers)
+    try:
+        with sharding.entered(model.sharding):
+            jax.eval_shape(one, model.params, Cache(one_block, abstract.tables, abstract.state, abstract.extra,
+                                                    abstract.layout))
+    except NotImplementedError:
+        return False
+    return True
+
+
 class Launched:
     """A step dispatched to the device: its pieces, which of them sample a token, and the device arrays of the
     results, already on their way to the host (`copy_to_host_async`). `fetch` waits for them."""
@@ -264,8 +282,7 @@ class Runner:
         self.sampled = np.zeros(self.rows, np.int32)  # tokens sampled per row so far (the seeded sample's index)
         self.shapes: set = set()
         self.dispatch_s = 0.0  # seconds in the jitted step's call (dispatch; on a CPU maybe part of the work)
-        self.extend_ok = self.cfg.mhc is None and self.cfg.engram is None and all(
-            s.attention.kind == "gqa" for s in self.cfg.layers)
+        self.extend_ok = extends(model, abstract)
 
     def _zeros(self, shape) -> jax.Array:
         """int32 zeros, replicated over the mesh when there is one."""

@@ -60,7 +60,11 @@ CASES = [  # (family, block size, engine options)
     ("gemma3", 3, {}),  # window 6: rings of 2 blocks wrap, and copy-on-write
     ("gemma3", 3, {"enable_chunked_prefill": False}),
     ("gpt_oss", 2, {"max_num_batched_tokens": 7}),  # sinks; sliding and full layers share one pool
-    ("deepseek_v4", 4, {}),  # compressed + indexer + window groups; whole-prompt prefill, no prefix caching
+    ("deepseek_v4", 4, {}),  # compressed + indexer + window groups; no prefix caching (per-sequence state)
+    # chunks of at most 5 tokens where M.extend runs DeepSeek (whole prompts where it does not); off; preemption
+    ("deepseek_v4", 4, {"max_num_batched_tokens": 5}),
+    ("deepseek_v4", 4, {"enable_chunked_prefill": False}),
+    ("deepseek_v4", 4, {"kv_blocks": 16}),
 ]
 
 

@@ -198,7 +198,8 @@ def _references(model, prompts, pics):
             jm.generate(model, [p], max_new_tokens=8, ignore_eos=True).tokens[0] for p, row in zip(prompts, pics)]
 
 
-@pytest.mark.parametrize("options", [{}, {"kv_blocks": 5}], ids=["default", "preempted"])
+@pytest.mark.parametrize("options", [{}, {"kv_blocks": 5}, {"max_num_batched_tokens": 7}],
+                         ids=["default", "preempted", "chunks"])
 def test_deepseek_v41_engine_equals_generate(deepseek41, options):
     """Two images of different sizes in one prompt (each image token expanded to its span), one in another, a
     text-only request beside them: the engine's greedy tokens equal jm.generate's, preempted requests included
@@ -210,8 +211,10 @@ def test_deepseek_v41_engine_equals_generate(deepseek41, options):
     prompts = [[7, 8, IMG, 9, 10, IMG, 11], [5, IMG, 6, 12], [12, 13, 14]]
     pics = [[a, b], [c], []]
     requests = _requests(model, prompts, pics)
-    got, engine = _serve(model, requests, max_num_batched_tokens=64, **options)
+    got, engine = _serve(model, requests, **{"max_num_batched_tokens": 64, **options})
     assert got == _references(model, [p for p, _ in requests], pics)
+    # chunks split image spans where M.extend runs DeepSeek (whole prompts where it does not)
+    assert engine.scheduler.chunked == engine.runner.extend_ok
     assert ("kv_blocks" in options) == (engine.scheduler.preemptions > 0)
 
 
