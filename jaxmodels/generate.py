@@ -13,6 +13,7 @@ from jaxmodels import model as M, multimodal, sharding, speculative
 from jaxmodels.layers import vision as _vision
 from jaxmodels.distributed import to_host
 from jaxmodels.sampling import Sampling, is_int, sample
+from jaxmodels.speculative import stopped
 
 
 @dataclass
@@ -45,12 +46,6 @@ def _stop_table(seqs: list[list[int]]) -> np.ndarray:
     for i, q in enumerate(seqs):
         table[i, L - len(q):] = q
     return table
-
-
-def stopped(tail, stops):
-    """tail [B, L] last generated ids (-2 before the first), stops [S, L] -> [B] bool: a row ends with a stop."""
-    hit = (stops[None] == tail[:, None]) | (stops[None] == -1)
-    return jnp.any(jnp.all(hit, axis=-1), axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard", "static"),

@@ -125,14 +125,18 @@ def accept(target_logits, drafts, draft_logits, key, s: Sampling):
 
 
 # ------------------------------------------------------------------------------------------------ the loop
+def stopped(tail, stops):
+    """tail [B, L] last generated ids (-2 before the first), stops [S, L] -> [B] bool: a row ends with a stop."""
+    hit = (stops[None] == tail[:, None]) | (stops[None] == -1)
+    return jnp.any(jnp.all(hit, axis=-1), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "sampling", "max_len", "k", "shard"),
                    compiler_options=M.COMPILER_OPTIONS)
 def generate(params, tokens, lengths, key, eos, stops, *, cfg, max_new, sampling, max_len, k, shard=None):
     """Right-padded prompts [B, T] with `lengths` -> (out [B, max_new] (zeros past each row's end), tokens
     emitted by the longest row, stats [3] int32: verify steps summed over rows, drafts proposed, drafts
     accepted). eos [E], stops [S, L]: as jaxmodels.generate's."""
-    from jaxmodels.generate import stopped  # the plain loop's stop rule (generate.py imports this module)
-
     B, P = tokens.shape
     dtype = params["embed"].dtype
     rows = jnp.arange(B)

@@ -192,7 +192,8 @@ def test_rejection_rule_preserves_a_known_target_distribution():
 
 
 def test_sampled_speculative_generate_has_the_target_distribution():
-    """End to end on tiny V4 (classic MTP drafts): 1536 rows of one prompt sample 3 tokens with top_k=3 and temperature 1.5
+    """End to end on tiny V4 (classic MTP drafts): 1536 rows of one prompt sample 3 tokens with top_k=3 and
+    temperature 1.5
     (27 possible continuations); their joint frequencies against the target's exact distribution (from full
     forwards of every continuation), chi-square at ALPHA."""
     import jaxmodels as jm
