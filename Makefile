@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 MODEL_DIR := .cache/models/smollm2-135m-instruct
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+# test files spread over this many processes (pytest-xdist; a file stays in one, so its module fixtures are built once)
+WORKERS ?= 2
 
 .PHONY: demo test test-heavy install clean
 
@@ -32,10 +34,10 @@ demo: $(VENV)/.runtime $(MODEL_DIR)/jaxmodels.json
 	$(VENV)/bin/jaxmodels generate --model $(MODEL_DIR) --prompt "$(PROMPT)" --max-new-tokens 64
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 test-heavy: $(VENV)/.test  # also the matrices too wide for CI's budget (tests marked heavy)
-	$(PY) -m pytest -q --heavy $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --heavy $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -41,8 +41,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmodels.config import ModelConfig
-from tt_backend.lowering import (BF16, BFP8, DRAM, F32, I32, check_decode_batch, MASKED, RM, TILE, TILE_L, U16, U32, TTConstraintError, _Builder,
-                                 _cc, check_program, padded_prefill_len)
+from tt_backend.builder import (BF16, BFP8, DRAM, F32, I32, MASKED, RM, TILE, TILE_L, U16, U32, Builder,
+                                TTConstraintError, check_decode_batch, check_program, compute_config,
+                                padded_prefill_len)
 from tt_backend.program import Ref, TTModelProgram, TTProgram
 from tt_backend.weights import HIFI2, HIFI4, Precision, policy as get_policy
 
@@ -77,7 +78,7 @@ def check(cfg: ModelConfig, S: int) -> None:
 
 # ------------------------------------------------------------------------------------------------- builder
 class _DS:
-    """Emits one DeepSeek prefill program (rows S) into a `lowering._Builder`."""
+    """Emits one DeepSeek prefill program (rows S) into a `builder.Builder`."""
 
     def __init__(self, cfg: ModelConfig, prec: Precision, S: int, max_seq_len: int, mode: str = "prefill",
                  block_size: int = 32):
@@ -85,7 +86,7 @@ class _DS:
         self.cfg, self.prec, self.S, self.max_seq_len, self.mode, self.bs = cfg, prec, S, max_seq_len, mode, block_size
         self.decode = mode == "decode"
         self.users = S if self.decode else 1
-        self.b = _Builder(cfg, prec, "prefill")  # DRAM activations in both modes (no sharded decode layouts yet)
+        self.b = Builder(cfg, prec, "prefill")  # DRAM activations in both modes (no sharded decode layouts yet)
         self.inputs: list[str] = []
         self.state: dict[str, str] = {}  # what kv/index sources publish for later layers (tensor names)
 
@@ -146,15 +147,15 @@ class _DS:
         return name
 
     def linear(self, x, w, out, shape, cfg_op=None, dtype=BF16):
-        cc = _cc(cfg_op or self.prec.li_qkv)
+        cc = compute_config(cfg_op or self.prec.li_qkv)
         return self.op("ttnn.linear", [x, w], {"dtype": dtype, "compute_kernel_config": cc}, out, shape, dtype)
 
     def matmul(self, a, b_, out, shape, dtype=BF16, cfg_op=None, **kw):
-        cc = _cc(cfg_op or self.prec.sdpa)
+        cc = compute_config(cfg_op or self.prec.sdpa)
         return self.op("ttnn.matmul", [a, b_], {**kw, "dtype": dtype, "compute_kernel_config": cc}, out, shape, dtype)
 
     def rms(self, x, w, out, shape, dtype=BF16):
-        kw = {"epsilon": self.cfg.norm_eps, "compute_kernel_config": _cc(self.prec.norm)}
+        kw = {"epsilon": self.cfg.norm_eps, "compute_kernel_config": compute_config(self.prec.norm)}
         if w is not None:
             kw["weight"] = Ref(w)
         return self.op("ttnn.rms_norm", [x], kw, out, shape, dtype)
@@ -198,7 +199,7 @@ class _DS:
         width = shape[-1]
         cos, sin = self.rope_rows(rope, width, pos_input, rows)
         swap = self.w(f"rope.swap.w{width}.r{self.cfg.layers[0].attention.mla.rope_dim}", (1, 1, width, width))
-        xp = self.op("ttnn.matmul", [x, swap], {"dtype": BF16, "compute_kernel_config": _cc(self.prec.rope)},
+        xp = self.op("ttnn.matmul", [x, swap], {"dtype": BF16, "compute_kernel_config": compute_config(self.prec.rope)},
                      out + ".swap", shape)
         xc = self.bin("ttnn.mul", x, cos, out + ".cos", shape)
         xs = self.bin("ttnn.mul", xp, sin, out + ".sin", shape)
@@ -337,7 +338,7 @@ class _DS:
         z = self.op("ttnn.concat", [], {"tensors": [Ref(x) for x in blocks + [sink]], "dim": -1}, f"{nm}.z",
                     (*qs, width + 1), F32)
         pr = self.op("ttnn.softmax", [z], {"dim": -1, "numeric_stable": True,
-                                           "compute_kernel_config": _cc(prec.sdpa)}, f"{nm}.p", (*qs, width + 1))
+                                           "compute_kernel_config": compute_config(prec.sdpa)}, f"{nm}.p", (*qs, width + 1))
         pr = self.slice(pr, (0, 0, 0, 0), (*qs, width), f"{nm}.pv")
         vb = self.b.tensors[values[0]].shape[0]
         v = values[0] if len(values) == 1 else self.op("ttnn.concat", [], {"tensors": [Ref(x) for x in values],
@@ -601,7 +602,7 @@ class _DS:
         def up(name):
             return self.op("ttnn.sparse_matmul", [xs, self.w(f"{L}.{name}", (1, E, D, I), prec.ff1_3)],
                            {"sparsity": Ref(sp_rm), "is_input_a_sparse": False, "is_input_b_sparse": True,
-                            "program_config": pc(I), "dtype": BF16, "compute_kernel_config": _cc(prec.li_ff1_3)},
+                            "program_config": pc(I), "dtype": BF16, "compute_kernel_config": compute_config(prec.li_ff1_3)},
                            f"{nm}.{name}", six)
 
         g, u = up("w_gate"), up("w_up")
@@ -610,7 +611,7 @@ class _DS:
         sp_a = self.reshape(sp_rm, (1, 1, nb, E), f"{nm}.sparsity_a", BF16)
         y = self.op("ttnn.sparse_matmul", [a, self.w(f"{L}.w_down", (1, E, I, D), prec.ff2)],
                     {"sparsity": Ref(sp_a), "is_input_a_sparse": True, "is_input_b_sparse": False,
-                     "program_config": pc(D), "dtype": BF16, "compute_kernel_config": _cc(prec.li_ff2)},
+                     "program_config": pc(D), "dtype": BF16, "compute_kernel_config": compute_config(prec.li_ff2)},
                     f"{nm}.down", (nb, E, blk, D))
         # routing weights [1,1,S,E] -> [nb, E, blk, 1]; unchosen experts weigh 0 (and were not computed)
         wv = self.permute(self.reshape(wd, (nb, blk, E, 1), f"{nm}.w4", F32), (0, 2, 1, 3), f"{nm}.wt",

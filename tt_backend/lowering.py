@@ -33,8 +33,8 @@ DeepSeek V4 / V4.1 configs (mHC + MLA) are lowered by `tt_backend.deepseek_lower
 own hybrid paged caches, listed in meta["kv_cache_specs"]) and `lower` hands them over.
 `check_program` validates a program's calls (dtype/layout rules of cache ops, tile alignment, top-k).
 
-Not lowered (yet): tensor parallelism and its CCLs (one device per program), on-device sampling
-(`check_sampling` holds its limits; logits go to the host), sparse expert matmuls, MLA / mHC. The
+Tensor parallelism is a transform of these programs (`tt_backend.mesh`). Not lowered (yet): on-device sampling
+(`check_sampling` holds its limits; logits go to the host), sparse expert matmuls outside DeepSeek. The
 prefill program returns the logits of every row (tt_transformers keeps only the last token's tile),
 so it also serves as `tt_backend.forward`.
 """
@@ -45,41 +45,18 @@ import math
 import numpy as np
 
 from jaxmodels.config import LayerSpec, ModelConfig
-from tt_backend.program import Ref, TTCall, TTModelProgram, TTProgram, TTTensorSpec
+# the shared limits, names and checks, re-exported: callers read them as lowering.<name>
+from tt_backend.builder import (  # noqa: F401
+    BF16, BFP4, BFP8, DRAM, F32, I32, L1_HEIGHT, L1_WIDTH, MASKED, MAX_DECODE_BATCH, MAX_HEADS, MAX_TOPK_K,
+    MAX_TOPK_WIDTH, PREFILL_MULTIPLE, RM, TILE, TILE_L, U16, U32, Builder, TTConstraintError, check_decode_batch,
+    check_program, check_sampling, check_topk, compute_config, padded_prefill_len)
+from tt_backend.program import Ref, TTModelProgram, TTProgram
 from tt_backend.weights import DecodersPrecision, Precision, layer_policy, policy as get_policy, rope_specs
 
-TILE = 32
-PREFILL_MULTIPLE = 128  # scaled_dot_product_attention asserts seq_len % 128 == 0 (tt_transformers attention.py)
-MAX_DECODE_BATCH = 32  # decode activations hold one user per row of one 32-row tile
-MAX_HEADS = 32  # nlp_create_qkv_heads_decode pads heads to 32 (one tile of rows)
-MAX_TOPK_WIDTH = 65536  # ttnn.topk: widest single call (tt_sampling chunks the vocab by 64K)
-MAX_TOPK_K = 32  # ttnn.sampling: k in (0, 32]
-
-BF16, BFP8, BFP4, F32, U32, I32, U16 = ("ttnn.bfloat16", "ttnn.bfloat8_b", "ttnn.bfloat4_b", "ttnn.float32",
-                                        "ttnn.uint32", "ttnn.int32", "ttnn.uint16")
-TILE_L, RM = "ttnn.TILE_LAYOUT", "ttnn.ROW_MAJOR_LAYOUT"
-# ttnn memory-config attribute names (ttnn.<name>), as tt_backend.ttnn_exec resolves them
-DRAM, L1_WIDTH, L1_HEIGHT = "DRAM_MEMORY_CONFIG", "L1_WIDTH_SHARDED_MEMORY_CONFIG", "L1_HEIGHT_SHARDED_MEMORY_CONFIG"
 ACTIVATIONS = {"silu": "ttnn.UnaryOpType.SILU", "gelu_tanh": "ttnn.UnaryOpType.GELU_TANH",
                "gelu": "ttnn.UnaryOpType.GELU"}
 
-
-class TTConstraintError(ValueError):
-    """A shape or setting the TT device cannot run (not a missing feature of this lowering)."""
-
-
 # ----------------------------------------------------------------------------------- checks
-def padded_prefill_len(n: int) -> int:
-    """The prompt length a prefill program is built for: the next multiple of 128."""
-    if n < 1:
-        raise TTConstraintError(f"prefill needs at least one token, got {n}")
-    return -(-n // PREFILL_MULTIPLE) * PREFILL_MULTIPLE
-
-
-def _pad(n: int) -> int:
-    return -(-n // TILE) * TILE
-
-
 def check_layer(cfg: ModelConfig, i: int, spec: LayerSpec) -> None:
     a = spec.attention
     where = f"layer {i}"
@@ -136,63 +113,7 @@ def check_config(cfg: ModelConfig) -> None:
         check_layer(cfg, i, spec)
 
 
-def check_decode_batch(batch: int) -> None:
-    if not 1 <= batch <= MAX_DECODE_BATCH:
-        raise TTConstraintError(f"decode batch {batch}: one device decodes 1..{MAX_DECODE_BATCH} users "
-                                f"(one 32-row tile); use data parallelism for more")
-
-
-def check_topk(k: int, width: int) -> None:
-    """ttnn.topk: one call covers at most 64K columns (it pads a partial tile with -inf itself)."""
-    if not 0 < k <= width:
-        raise TTConstraintError(f"top-k k={k} over width {width}")
-    if width > MAX_TOPK_WIDTH:
-        raise TTConstraintError(f"ttnn.topk over width {width} > {MAX_TOPK_WIDTH}: split the vocab into chunks")
-
-
-def check_sampling(k: int, width: int, users: int) -> None:
-    """ttnn.sampling (on-device top-k/top-p): 1..32 users, k in (0, 32], W a power-of-two multiple of 32."""
-    if not 0 < k <= MAX_TOPK_K:
-        raise TTConstraintError(f"device sampling k={k}: supported 0 < k <= {MAX_TOPK_K}")
-    if not 1 <= users <= MAX_DECODE_BATCH:
-        raise TTConstraintError(f"device sampling of {users} users: supported 1..{MAX_DECODE_BATCH}")
-    tiles = width // TILE
-    if width % TILE or tiles & (tiles - 1):
-        raise TTConstraintError(f"device sampling width {width} is not a power-of-two multiple of {TILE}: pad "
-                                f"(masked) first")
-    check_topk(k, width)
-
-
-def check_program(prog: TTProgram) -> None:
-    """Rules a ttnn call list must satisfy (each raises TTConstraintError with the call's index)."""
-    t = prog.tensors
-    for n, c in enumerate(prog.calls):
-        for name in c.refs() + list(c.outputs):
-            if name not in t:
-                raise TTConstraintError(f"call {n} ({c.op}) uses {name!r}, which has no tensor spec")
-        if c.op == "ttnn.experimental.paged_update_cache" and t[c.inputs[1]].dtype not in (BF16, F32):
-            raise TTConstraintError(f"call {n}: paged_update_cache input must be bfloat16 or float32 (the op "
-                                    f"repacks into the cache dtype), got {t[c.inputs[1]].dtype}")
-        if c.op == "ttnn.experimental.paged_fill_cache" and t[c.inputs[1]].dtype != t[c.inputs[0]].dtype:
-            raise TTConstraintError(f"call {n}: paged_fill_cache is a raw tile copy; input dtype "
-                                    f"{t[c.inputs[1]].dtype} != cache dtype {t[c.inputs[0]].dtype}")
-        if c.op == "ttnn.experimental.rotary_embedding_llama" and t[c.inputs[0]].dtype != BF16:
-            raise TTConstraintError(f"call {n}: rotary_embedding_llama needs bfloat16 input")
-        if c.op == "ttnn.transformer.scaled_dot_product_attention" and t[c.inputs[0]].shape[2] % PREFILL_MULTIPLE:
-            raise TTConstraintError(f"call {n}: prefill SDPA length {t[c.inputs[0]].shape[2]} is not a multiple "
-                                    f"of {PREFILL_MULTIPLE}")
-        if c.op == "ttnn.topk":
-            check_topk(c.kwargs["k"], t[c.inputs[0]].shape[-1])
-        for name in c.outputs:
-            s = t[name]
-            if s.layout == TILE_L and any(p % TILE for p in s.padded_shape[-2:] if p is not None):
-                raise TTConstraintError(f"call {n}: {name} padded shape {s.padded_shape} is not tile aligned")
-
-
 # --------------------------------------------------------------------------- prefill masks
-MASKED = -1e9  # additive mask value of a forbidden (query, key) pair: exp underflows to 0, no inf arithmetic
-
-
 def mask_name(window: int | None) -> str:
     """The mask input that layers with this sliding window read in a masked prefill."""
     return "attn_mask" if window is None else f"attn_mask.w{window}"
@@ -219,67 +140,23 @@ def attention_masks(cfg: ModelConfig, image_blocks, rows: int) -> dict[str, np.n
     return out
 
 
-# ---------------------------------------------------------------------------------- builder
-class _Builder:
-    def __init__(self, cfg: ModelConfig, prec: Precision, mode: str, chunk_start: int = 0,
-                 per_layer_page_tables: bool = False, modulo: tuple = (), masked: bool = False):
-        self.cfg, self.prec, self.mode = cfg, prec, mode
-        self.calls: list[TTCall] = []
-        self.tensors: dict[str, TTTensorSpec] = {}
-        self.mem = DRAM if mode == "prefill" else L1_WIDTH
-        self.chunk_start, self.per_layer, self.modulo = chunk_start, per_layer_page_tables, modulo
-        self.masked = masked  # prefill SDPA reads an additive mask input instead of the causal rule
-
-    def page_table(self, i: int, chunk: bool = False) -> str:
-        """The page table layer i reads (one per layer for hybrid KV groups); `chunk`: the chunk's slice."""
-        return ("chunk_page_table" if chunk else "page_table") + (f".{i}" if self.per_layer else "")
-
-    def ring(self, i: int) -> int | None:
-        """cache_position_modulo of layer i's cache (a sliding ring), or None for a full-length cache."""
-        return self.modulo[i] if self.modulo else None
-
-    def tensor(self, name, shape, dtype, layout=TILE_L, memory=None, kind="activation"):
-        shape = tuple(shape)
-        padded = shape if layout == RM else shape[:-2] + tuple(None if s is None else _pad(s) for s in shape[-2:])
-        self.tensors[name] = TTTensorSpec(shape, padded, dtype, layout, memory or self.mem, kind)
-        return name
-
-    def call(self, op, inputs, kwargs, out, shape, dtype=BF16, layout=TILE_L, memory=None):
-        outs = (out,) if isinstance(out, str) else tuple(out)
-        shapes = (shape,) if isinstance(out, str) else shape
-        dtypes = (dtype,) * len(outs) if isinstance(dtype, str) else dtype
-        for o, s, dt in zip(outs, shapes, dtypes):
-            self.tensor(o, s, dt, layout, memory)
-        self.calls.append(TTCall(op, tuple(inputs), kwargs, outs))
-        return out
-
-    def weight(self, name, shape, dtype, layout=TILE_L):
-        if name not in self.tensors:
-            self.tensor(name, shape, dtype, layout, DRAM, "weight")
-        return name
-
-
-def _cc(op) -> dict:
-    return op.kwargs()
-
-
-def _norm(b: _Builder, x, w, kind, shape, out, eps):
+def _norm(b: Builder, x, w, kind, shape, out, eps):
     """rms_norm or layer_norm (Cohere); Gemma's (1+w) is folded into w by weights.py."""
     op = "ttnn.layer_norm" if kind == "layernorm" else "ttnn.rms_norm"
-    kw = {"epsilon": eps, "weight": Ref(w), "compute_kernel_config": _cc(b.prec.norm), "memory_config": b.mem}
+    kw = {"epsilon": eps, "weight": Ref(w), "compute_kernel_config": compute_config(b.prec.norm), "memory_config": b.mem}
     return b.call(op, [x], kw, out, shape)
 
 
-def _linear(b: _Builder, x, w, out, shape, op_cfg, bias=None):
+def _linear(b: Builder, x, w, out, shape, op_cfg, bias=None):
     """ttnn.linear, bias added by a separate ttnn.add as tt_transformers does for DRAM-sharded matmuls."""
-    y = b.call("ttnn.linear", [x, w], {"dtype": BF16, "compute_kernel_config": _cc(op_cfg), "memory_config": b.mem},
+    y = b.call("ttnn.linear", [x, w], {"dtype": BF16, "compute_kernel_config": compute_config(op_cfg), "memory_config": b.mem},
                out if bias is None else out + ".nobias", shape)
     if bias is not None:
         b.call("ttnn.add", [y, bias], {"memory_config": b.mem}, out, shape)
     return out
 
 
-def _attention(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int, rope_name: dict) -> str:
+def _attention(b: Builder, i: int, spec: LayerSpec, h: str, rows: int, rope_name: dict) -> str:
     cfg, prec, mode = b.cfg, b.prec, b.mode
     a = spec.attention
     D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -307,7 +184,7 @@ def _attention(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int, rope_nam
                 if mode == "decode":  # decode heads sit in dim 2
                     w = b.call("ttnn.reshape", [w], {"shape": [1, 1, heads, d]}, f"{t}.{wn}_w", (1, 1, heads, d))
                 op = "ttnn.layer_norm" if a.qk_norm == "layernorm" else "ttnn.rms_norm"
-                y = b.call(op, [t], {"epsilon": cfg.norm_eps, "compute_kernel_config": _cc(prec.norm),
+                y = b.call(op, [t], {"epsilon": cfg.norm_eps, "compute_kernel_config": compute_config(prec.norm),
                                      "memory_config": b.mem}, f"{t}.normed", shape)
                 b.call("ttnn.mul", [y, w], {"memory_config": b.mem}, f"{t}.n", shape)
             else:
@@ -318,12 +195,12 @@ def _attention(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int, rope_nam
         cos, sin = rope_name[a.rope]
         for t in (q, k):
             b.call("ttnn.experimental.rotary_embedding_llama", [t, cos, sin, "rope.trans_mat"],
-                   {"is_decode_mode": mode == "decode", "compute_kernel_config": _cc(prec.rope)},
+                   {"is_decode_mode": mode == "decode", "compute_kernel_config": compute_config(prec.rope)},
                    f"{t}.rot", b.tensors[t].shape)
         q, k = f"{q}.rot", f"{k}.rot"
     kc, vc = f"kv.{i}.k", f"kv.{i}.v"
     scale = a.scale if a.scale is not None else d**-0.5
-    sdpa_kw = {"scale": scale, "sliding_window_size": a.window, "compute_kernel_config": _cc(prec.sdpa)}
+    sdpa_kw = {"scale": scale, "sliding_window_size": a.window, "compute_kernel_config": compute_config(prec.sdpa)}
     if a.sinks:
         sdpa_kw["attention_sink"] = Ref(b.weight(f"{L}.sinks", (1, 1, 1, H), BF16))
     ring = {} if b.ring(i) is None else {"cache_position_modulo": b.ring(i)}
@@ -362,7 +239,7 @@ def _attention(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int, rope_nam
     return _linear(b, o, wo, f"{n}.attn_out", (1, 1, rows, D), prec.li_o, bo)
 
 
-def _mlp(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
+def _mlp(b: Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
     cfg, prec, m = b.cfg, b.prec, spec.mlp
     D, I = cfg.hidden_size, m.intermediate_size
     L, n = f"layers.{i}", f"l{i}"
@@ -377,7 +254,7 @@ def _mlp(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
                    prec.li_ff2, bias("b2", D))
 
 
-def _moe(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
+def _moe(b: Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
     """Routed experts, computed densely: every expert runs on every row and is weighted by its routing
     weight (0 for unchosen experts), as tt_transformers' first MoE path did. GPT-OSS's router
     (linear + bias -> ttnn.topk -> softmax over the k values) or Qwen3-MoE's (softmax over all ->
@@ -390,7 +267,7 @@ def _moe(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
     rb = b.weight(f"{L}.router_bias", (1, 1, 1, E), BF16) if m.router_bias else None
     logits = _linear(b, h, b.weight(f"{L}.router", (1, 1, D, E), BF16), f"{n}.router", se, prec.router, rb)
     topk = {"k": k, "dim": -1, "largest": True, "sorted": True}
-    smax = {"dim": -1, "numeric_stable": True, "compute_kernel_config": _cc(prec.router)}
+    smax = {"dim": -1, "numeric_stable": True, "compute_kernel_config": compute_config(prec.router)}
     if m.router == "topk_softmax":  # GPT-OSS: the k largest logits, softmax over those k
         b.call("ttnn.topk", [logits], topk, (f"{n}.topv", f"{n}.topi"), (sk, sk), (BF16, U16))
         w = b.call("ttnn.softmax", [f"{n}.topv"], smax, f"{n}.topw", sk)
@@ -432,7 +309,7 @@ def _moe(b: _Builder, i: int, spec: LayerSpec, h: str, rows: int) -> str:
     return acc
 
 
-def _layer(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: dict) -> str:
+def _layer(b: Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: dict) -> str:
     """Decoder layer i under its own precision (a DecodersPrecision's entry, or the uniform policy)."""
     model_prec, b.prec = b.prec, layer_policy(b.prec, i)
     try:
@@ -441,7 +318,7 @@ def _layer(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: d
         b.prec = model_prec
 
 
-def _layer_body(b: _Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: dict) -> str:
+def _layer_body(b: Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: dict) -> str:
     cfg = b.cfg
     D, eps, L, n = cfg.hidden_size, cfg.norm_eps, f"layers.{i}", f"l{i}"
     shape = (1, 1, rows, D)
@@ -473,7 +350,7 @@ def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, r
              page_table_width: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
              modulo: tuple = (), embeddings: bool = False, attention_mask: bool = False) -> TTProgram:
     prefill = mode == "prefill"
-    b = _Builder(cfg, prec, mode, chunk_start if prefill else 0, per_layer_page_tables, modulo,
+    b = Builder(cfg, prec, mode, chunk_start if prefill else 0, per_layer_page_tables, modulo,
                  masked=attention_mask and prefill)
     D, V, K, d = cfg.hidden_size, cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim
     users = 1 if mode == "prefill" else rows
@@ -522,7 +399,7 @@ def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, r
     fw = b.weight("final_norm", (1, 1, 1, D), BF16, RM)
     h = _norm(b, x, fw, cfg.norm, (1, 1, rows, D), "final.h", cfg.norm_eps)
     head = b.weight("lm_head", (1, 1, D, V), prec.lm_head)
-    out = b.call("ttnn.linear", [h, head], {"dtype": BF16, "compute_kernel_config": _cc(prec.lm_head_op),
+    out = b.call("ttnn.linear", [h, head], {"dtype": BF16, "compute_kernel_config": compute_config(prec.lm_head_op),
                                             "memory_config": b.mem}, "logits.raw", (1, 1, rows, V))
     if cfg.logit_scale is not None:
         out = b.call("ttnn.mul", [out], {"input_tensor_b": float(cfg.logit_scale), "memory_config": b.mem},
