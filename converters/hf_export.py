@@ -1,13 +1,15 @@
 """Export back to Hugging Face, write side of `converters.export`: a model's parameters as HF safetensors (sharded
 with `model.safetensors.index.json` above a size), config.json, generation_config.json and the tokenizer files.
 
-The tensors are the exact inverse of the import. Their names come from the family's own name map (one table, read
-in both directions), and which parameter slices each name holds, through which transform, is what
-`converters.hf.plan_import` says it would import from them: the export plan *is* the import plan, run on the names
-and shapes the export is about to write. Each parameter goes back through the inverse of its transform (`INVERSES`,
-beside the forward ones of converters/transforms.py) and is checked by running the forward transform again, so that
-importing the export gives every parameter back bit for bit. config.json is built from the ModelConfig per family
-(`HF_EXPORTS`) and checked the same way: the family's import must read it back as this very config.
+The tensors are the exact inverse of the import. Their names come from the family's own name map (one table, read in
+both directions; its alternatives such as `attn\\.(?P<x>wq_a|wkv)` written out), spelled as HF's save_pretrained
+writes them (DeepSeek V4: its own names under `model.`), and which parameter slices each name holds, through which
+transform, is what `converters.hf.plan_import` says it would import from them: the export plan *is* the import plan,
+run on the names and shapes the export is about to write. Each parameter goes back through the inverse of its
+transform (`INVERSES`, beside the forward ones of converters/transforms.py) and is checked by running the forward
+transform again, so that importing the export gives every parameter back bit for bit. config.json is built from the
+ModelConfig per family (`HF_EXPORTS`) and checked the same way: the family's import must read it back as this very
+config.
 
 Output appears atomically, with convert's rules (converters/orbax_io.py): a temporary sibling `.<name>.*.partial`
 (with orbax_io's owner file, so an interrupted export's leftovers are removed by the next one), renamed at the end;
@@ -96,6 +98,21 @@ def _source_shape(transform, want) -> tuple[int, ...]:
 
 
 _ESCAPED = re.compile(r"\\(.)")
+_GROUP = re.compile(r"\(\?P<(\w+)>((?:\w|\\\.|\|)+)\)")  # a named group of plain alternatives: (?P<x>a|b\.c)
+
+
+def _spellings(pattern: str, targets: list) -> list[tuple[str, list]]:
+    """The (pattern, targets) entries a name-map entry stands for: each named group of plain alternatives
+    (`attn\\.(?P<x>wq_a|wkv)\\.weight` -> `attn/{x}`) written out, its value put into the parameter paths."""
+    m = _GROUP.search(pattern)
+    if m is None:
+        return [(pattern, targets)]
+    out = []
+    for alt in m.group(2).split("|"):
+        value = _ESCAPED.sub(r"\1", alt)
+        out += _spellings(pattern[:m.start()] + alt + pattern[m.end():],
+                          [(rel.replace("{" + m.group(1) + "}", value), tr) for rel, tr in targets])
+    return out
 
 
 def _literal(pattern: str) -> str | None:
@@ -110,7 +127,8 @@ def _names(cfg: ModelConfig, names: dict) -> dict[str, tuple[int, ...]]:
     parameters stacked over experts only. Where the map spells one parameter several ways (a family's own entries
     after the shared Llama ones it starts from: Qwen3-MoE's per-expert names for its experts), the later entry wins."""
     pl, specs = plan(cfg), flatten(param_specs(cfg))
-    entries = [(order, pattern, _literal(pattern), _targets(t)) for order, (pattern, t) in enumerate(names.items())]
+    entries = [(order, pattern, _literal(pattern), targets) for order, (pattern, targets) in
+               enumerate(e for p, t in names.items() for e in _spellings(p, _targets(t)))]
     found: list[tuple[tuple, str, tuple[int, ...]]] = []
     for i in [None] + list(range(cfg.num_layers)):
         prefix, index = ("", ()) if i is None else (f"layers/{pl.kind_of[i]}/", (pl.rank_of[i],))
@@ -141,14 +159,16 @@ def _names(cfg: ModelConfig, names: dict) -> dict[str, tuple[int, ...]]:
 
 def plan_export(cfg: ModelConfig, params: dict | None = None, dtype: str | None = None) -> list[Tensor]:
     """The tensors of an export, every name and shape checked, no data read: the names `_names` spells, each with
-    the parameter slices plan_import would fill from it. Raises NotImplementedError for a family without an export
-    (DeepSeek V4), ValueError if the names would not import back exactly. params: their dtypes decide the tensors'
-    (else the float32 plan); dtype: floating parameters cast to it (those the plan keeps fp32 stay)."""
+    the parameter slices plan_import would fill from it, in the spelling of HF's own save (`HFExport.spell`).
+    Raises NotImplementedError for a family without an export (DeepSeek V4.1) or weights kept quantized,
+    ValueError if the names would not import back exactly. params: their dtypes decide the tensors' (else the
+    float32 plan); dtype: floating parameters cast to it (those the plan keeps fp32 stay); the family's
+    `HFExport.dtypes` are written as the transformers class stores them, whatever the model's dtype."""
     cfg, params = text_part(cfg, params)
     exp = _export_of(cfg)
     fam = families.get(exp.model_type)
     names = families.name_map(fam, cfg)
-    shapes = _names(cfg, names)
+    shapes = {exp.spell(n): s for n, s in _names(cfg, names).items()}
     kw = {"derived": fam.derived} | ({} if fam.renames is None else {"renames": fam.renames})
     try:
         placed = plan_import(_Shapes(shapes), cfg, names, fam.skip, **kw)
@@ -156,10 +176,18 @@ def plan_export(cfg: ModelConfig, params: dict | None = None, dtype: str | None 
         raise ValueError(f"{cfg.family}: the exported tensors would not import back: {e}") from None
     specs = flatten(param_specs(cfg))
     flat = flatten(params) if params is not None else {}
+    parents = {k.rsplit("/", 1)[0] for k in flat}  # a weight kept quantized: {path}/fp8 + {path}/scale
+    if quantized := sorted({pm.path for pm in placed if pm.path not in flat and pm.path in parents}):
+        raise NotImplementedError(f"{cfg.family}: {quantized[0]} (and {len(quantized) - 1} more) are kept quantized; "
+                                  f"export writes dequantized weights: convert without keep_quantized")
+    if params is not None and "mtp" in params:
+        log.info("export leaves out the %s MTP blocks: transformers' %s has none", cfg.family, exp.architecture)
     target = None if dtype is None else np.dtype(np_dtype(dtype))
 
     def dtype_of(pm: Placement) -> np.dtype:
         dt = np.dtype(flat[pm.path].dtype) if pm.path in flat else np.dtype(specs[pm.path].dtype or np.float32)
+        if (fixed := next((d for rx, d in exp.dtypes if re.search(rx, pm.path)), None)) is not None:
+            return np.dtype(fixed)
         return target if target is not None and specs[pm.path].dtype is None and _floating(dt) else dt
 
     parts: dict[str, list[Placement]] = {}
@@ -295,6 +323,8 @@ class HFExport:
     model_type: str  # the registry key whose name map and config mapping the export is the inverse of
     architecture: str  # the transformers class config.json names
     config: Callable[[ModelConfig], dict]  # the family's config.json fields
+    spell: Callable[[str], str] = lambda name: name  # a name-map name -> the one HF's save_pretrained writes
+    dtypes: tuple[tuple[str, str], ...] = ()  # (parameter path regex, dtype) the HF class stores at any dtype
 
 
 _HF_ACT = {ours: hf for hf, ours in reversed(_common.ACTIVATIONS.items())}  # the first HF spelling of each
@@ -455,6 +485,53 @@ def _exaone4(cfg: ModelConfig) -> dict:
     return _dense(cfg) | {"sliding_window": _window(cfg, 4096 if nope else None), "layer_types": _layer_types(cfg)}
 
 
+_V4_ATTENTION = {"none": "sliding_attention", "indexer": "compressed_sparse_attention",
+                 "all": "heavily_compressed_attention"}  # MLASpec.select -> HF's layer type
+
+
+def _deepseek_v4(cfg: ModelConfig) -> dict:
+    """HF's DeepseekV4Config: layer_types + compress_rates spell each layer's compression (sliding, CSA with its
+    indexer, HCA), mlp_layer_types the hash-routed layers; rope_parameters nested (main / compress) as HF saves
+    them. One shared expert of the routed experts' width, one KV head (HF's only layout)."""
+    L, mla = cfg.layers[0], [s.attention.mla for s in cfg.layers]
+    a, m, h = mla[0], L.mlp, L.mhc
+    types = [_V4_ATTENTION[x.select] for x in mla]
+    rates = {t: x.ratio for t, x in reversed(list(zip(types, mla))) if x.ratio}  # the first layer's of each type
+    ropes = {bool(x.ratio): s.attention.rope for x, s in reversed(list(zip(mla, cfg.layers)))}
+    rope_dim = {"partial_rotary_factor": a.rope_dim / cfg.head_dim}
+    main = ropes.get(False) or RopeSpec(theta=10000.0)
+    compress = ropes.get(True) or RopeSpec(theta=160000.0)
+    yarn = {} if compress.kind != "yarn" else {
+        "factor": compress.factor, "original_max_position_embeddings": compress.original_max_position,
+        "beta_fast": compress.beta_fast, "beta_slow": compress.beta_slow, "attention_factor": 1.0}
+    return _base(cfg) | {
+        "num_key_value_heads": 1, "q_lora_rank": a.q_lora_rank, "o_groups": a.o_groups, "o_lora_rank": a.o_lora_rank,
+        "qk_rope_head_dim": a.rope_dim, **rope_dim, "sliding_window": L.attention.window,
+        "index_n_heads": a.index_heads, "index_head_dim": a.index_head_dim, "index_topk": a.index_topk,
+        "layer_types": types, "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128,
+                                                 **rates},
+        "mlp_layer_types": ["hash_moe" if s.mlp.router == "hash" else "moe" for s in cfg.layers],
+        "n_routed_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.intermediate_size,
+        "n_shared_experts": 1, "scoring_func": m.score_func, "routed_scaling_factor": m.route_scale,
+        "norm_topk_prob": m.renormalize, "swiglu_limit": m.clamp_limit, "hidden_act": "silu",
+        "hc_mult": h.copies, "hc_sinkhorn_iters": h.sinkhorn_iters, "hc_eps": h.eps, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": main.theta, "compress_rope_theta": compress.theta,
+        "rope_parameters": {"main": {"rope_type": "default", "rope_theta": main.theta, **rope_dim},
+                            "compress": {"rope_type": compress.kind, "rope_theta": compress.theta, **yarn, **rope_dim}},
+        "num_nextn_predict_layers": 0 if cfg.mtp is None else cfg.mtp.layers}
+
+
+def _deepseek_v4_name(name: str) -> str:
+    """DeepSeek's own tensor name (the name map's) -> HF's saved one: deepseek_v4.RENAMES undone (`model.` on all
+    but the head, `embed_tokens`, `hc_head.hc_*`, the attention's KV norm as `attn.norm`)."""
+    if name == "head.weight":
+        return name
+    for rx, repl in ((r"^embed\.", "embed_tokens."), (r"^hc_head_", "hc_head.hc_"),
+                     (r"\.attn\.kv_norm\.weight$", ".attn.norm.weight")):
+        name = re.sub(rx, repl, name)
+    return "model." + name
+
+
 # ModelConfig.family -> what its export writes. Multimodal checkpoints (gemma3, exaone4_5, mistral3: `text_part`)
 # come back as their text model; GPT-OSS's original layout and MXFP4 experts as HF's unquantized layout.
 HF_EXPORTS = {
@@ -468,6 +545,10 @@ HF_EXPORTS = {
     "gemma3": HFExport("gemma3_text", "Gemma3ForCausalLM", _gemma3),
     "gpt_oss": HFExport("gpt_oss", "GptOssForCausalLM", _gpt_oss),
     "exaone4": HFExport("exaone4", "Exaone4ForCausalLM", _exaone4),
+    # HF's _keep_in_fp32_modules_strict keeps every norm fp32 (the plan keeps the rest of that list fp32 too);
+    # the hash-routing table is a torch.long buffer. V4.1 has no transformers class.
+    "deepseek_v4": HFExport("deepseek_v4", "DeepseekV4ForCausalLM", _deepseek_v4, _deepseek_v4_name,
+                            ((r"norm$", "float32"), (r"/tid2eid$", "int64"))),
 }
 
 
