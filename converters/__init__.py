@@ -169,7 +169,8 @@ def export(src, hf_dir: str | Path, dtype: str | None = None, overwrite: bool = 
     The tensors are the exact inverse of the import (a lossless import exports its source bit for bit); GPT-OSS
     experts imported from MXFP4 are written dequantized, in HF's unquantized layout. As convert: everything is
     checked before any work, nothing is left at hf_dir if anything fails, and overwrite replaces only an earlier
-    export (or an empty directory). DeepSeek V4 is not exported yet (NotImplementedError).
+    export (or an empty directory). DeepSeek V4 is written as HF's `DeepseekV4ForCausalLM` (its MTP blocks left out:
+    the HF class has none; weights kept quantized are refused); V4.1, which transformers lacks, is refused.
     """
     from converters import hf_export
     from converters.hf import np_dtype
