@@ -34,13 +34,16 @@ images=)`` (per user: None, raw images, or processed inputs such as a BatchFeatu
 ``image_sizes=`` per user, as tt-metal's Gemma3 passes them) runs the vision tower **in JAX on the host** and hands
 the prompt's input embeddings to the TT text prefill (its "embeddings" input); Gemma3's image soft tokens attend
 to each other through prefill attention masks. ``input_processor`` expands a prompt's image placeholders as the HF
-processor does. Mllama is refused (its cross-attention layers are not lowered), and so are images for a model
-without a tower; ``model_capabilities`` of the ``*ForConditionalGeneration`` classes say so.
+processor does. Mllama's tower runs in JAX too, but its features enter the lowered cross-attention layers, which
+compute their K/V on the device once per request into the cross layers' paged caches (``cross_page_table``) and
+read them at every decode step (`MllamaForConditionalGeneration`, `tt_backend.cross_attention`). Images for a
+model without a tower are refused; ``model_capabilities`` of the ``*ForConditionalGeneration`` classes say where
+the tower runs.
 
 Not done (raise rather than run something else): non-greedy device sampling and penalties
 (``prompt_tokens``/``output_tokens`` are accepted and unused), prefill traces, hidden-state returns,
 asynchronous readback (``read_from_device=False`` returns a handle that `read_decode_output` resolves, but
-nothing overlaps), Mllama's cross-attention, images with a cached prefix, and prefix caching or chunked
+nothing overlaps), images with a cached prefix or in a chunked prefill, and prefix caching or chunked
 prefill into sliding rings (the lowering refuses it, as tt-metal; with ``hybrid_kv_cache_groups=False``, the
 default, sliding layers keep full-length caches and both work). DeepSeek's specs are exposed, but its
 prefill/decode do not run through the generator: `tt_backend.deepseek_lowering` has no decode program or paged
@@ -57,6 +60,9 @@ Deliberate differences from tt-metal (each guards a silent-corruption path it ha
   uneven split.
 * Only greedy sampling runs "on device" (argmax written back into the resident token buffer); other
   sampling parameters raise. ``model_capabilities`` says so (no ``supports_sample_on_device``).
+* Mllama follows HF (the parity reference), not Meta's reference / tt-metal: a text row that sees no image tile
+  keeps its cross-attention output (only its MLP update is zeroed). Its prefill returns the logits only; the
+  tiles each slot's decode rows see are kept by the generator instead of being handed back through vLLM.
 """
 from __future__ import annotations
 
@@ -179,16 +185,23 @@ class CompressorStateSpec(AttentionSpec):
     of: str = "csa"
 
 
+@dataclass(frozen=True)
+class CrossAttentionSpec(AttentionSpec):
+    """vLLM's ``CrossAttentionSpec``: the K/V of a request's encoder (image-feature) tokens, written once by its
+    prefill through its cross page table and read by every decode step (Mllama's cross-attention layers)."""
+
+
 _CACHE_SUFFIX = {"full": "", "window": "", "csa": ".compressor", "hca": ".compressor", "index_keys": ".indexer"}
 
 
 def cache_kinds(cfg: ModelConfig, block_size: int, policy="performance") -> list[dict]:
     """Every cache of every layer as the lowering declares it (layer, kind, width, tokens_per_entry, dtype, ring;
     DeepSeek's `deepseek_lowering.kv_specs`, which names each cache's program tensor in "cache"); GQA layers:
-    "full" or "window", K and V of num_kv_heads x head_dim."""
+    "full" or "window", K and V of num_kv_heads x head_dim; Mllama's cross layers "cross" (image-feature K/V)."""
     if deepseek_lowering.is_deepseek(cfg):
         return deepseek_lowering.kv_specs(cfg, block_size, get_policy(policy))
-    return [{"layer": i, "kind": "full" if s.attention.window is None else "window", "ring": s.attention.window,
+    kind = lambda a: "cross" if a.kind == "cross" else "full" if a.window is None else "window"  # noqa: E731
+    return [{"layer": i, "kind": kind(s.attention), "ring": s.attention.window,
              "heads": cfg.num_kv_heads, "width": cfg.head_dim, "tokens_per_entry": 1, "tensors": 2}
             for i, s in enumerate(cfg.layers)]
 
@@ -196,7 +209,8 @@ def cache_kinds(cfg: ModelConfig, block_size: int, policy="performance") -> list
 def kv_cache_specs(cfg: ModelConfig, block_size: int, dtype, *, hybrid: bool = True) -> dict[str, Any]:
     """``{name: spec}`` for every cache, by kind: "model.layers.<i>.self_attn" (full, or window: a
     `SlidingWindowSpec` when `hybrid`, else full-length as tt-metal), ".compressor" (csa / hca), ".indexer"
-    (index_keys) and "<that>.state.<a|g>" (a gated compressor's per-token projections / gates). A DeepSeek reuse
+    (index_keys), "<that>.state.<a|g>" (a gated compressor's per-token projections / gates) and
+    "model.layers.<i>.cross_attn" (Mllama's image-feature K/V, a `CrossAttentionSpec`). A DeepSeek reuse
     layer has no compressed cache of its own: it reads its source layer's. `dtype`: the token and compressed
     caches' (vLLM's); compressor state keeps the lowering's (fp32). Heads: 1 unless declared (DeepSeek's latent
     K = V and indexer keys are single-head, `tensors` 1)."""
@@ -206,13 +220,15 @@ def kv_cache_specs(cfg: ModelConfig, block_size: int, dtype, *, hybrid: bool = T
         base = f"model.layers.{i}.self_attn"
         if kind == "reuse":
             continue
-        if kind != "compressor_state" and kind not in _CACHE_SUFFIX:
+        if kind not in ("compressor_state", "cross") and kind not in _CACHE_SUFFIX:
             raise NotImplementedError(f"layer {i}: cache kind {kind!r} has no generator spec")
         common = dict(block_size=block_size, num_kv_heads=c.get("heads", 1), head_size=c["width"], dtype=dtype,
                       tensors=c.get("tensors", 1))
         if kind == "compressor_state":
             spec = CompressorStateSpec(**{**common, "dtype": c["dtype"]}, of=c["of"])
             name = f"{base}{_CACHE_SUFFIX[c['of']]}.state.{c['cache'].split('.')[-1]}"
+        elif kind == "cross":
+            spec, name = CrossAttentionSpec(**common), f"model.layers.{i}.cross_attn"
         elif kind in ("full", "window") and not (hybrid and kind == "window"):
             spec, name = FullAttentionSpec(**common), base
         elif kind == "window":
@@ -330,6 +346,7 @@ class _Resident:
     positions: np.ndarray
     page_tables: list[np.ndarray]
     device_sampled: bool = False  # the last decode wrote its argmax into `tokens` and advanced `positions`
+    cross_page_table: np.ndarray | None = None  # Mllama: each slot's blocks of its image-feature K/V
 
 
 class _DeviceOutput:
@@ -352,7 +369,8 @@ class Generator:
 
     def __init__(self, executors: Sequence[Executor], mesh_device: EmulatedMesh | None = None, *,
                  max_batch_size: int, max_seq_len: int, block_size: int | None = None,
-                 max_prefill_chunk_size: int = 4096, hybrid_kv_cache_groups: bool | None = None, vision=None):
+                 max_prefill_chunk_size: int = 4096, hybrid_kv_cache_groups: bool | None = None, vision=None,
+                 max_images_per_prompt: int = 1):
         if not executors:
             raise ValueError("need at least one executor (one per data-parallel submesh)")
         self.model = list(executors)
@@ -369,6 +387,10 @@ class Generator:
         self.hybrid_kv_cache_groups = (self._HYBRID_KV_CACHE_GROUPS_ENABLED if hybrid_kv_cache_groups is None
                                        else hybrid_kv_cache_groups)
         self.vision = vision  # tt_backend.multimodal.VisionTower (the host half of multimodal prefill) or None
+        # Mllama: images per request whose K/V the cross layers keep (tt-metal serves 1); the tiles each slot's decode
+        # rows see (its prompt's last cross_attention_mask row), kept from its prefill; None: a slot without images
+        self.max_images_per_prompt = max_images_per_prompt
+        self._cross_rows: list[np.ndarray | None] = [None] * max_batch_size
         self._resident: list[_Resident | None] = [None] * self.data_parallel
         self._trace: _Trace | None = None
         self._owners: tuple[Sequence[pc.BlockAllocator], Sequence[Hashable | None]] | None = None
@@ -407,7 +429,7 @@ class Generator:
         submeshes = create_submeshes(mesh, tt_data_parallel)
         per = max_batch_size // tt_data_parallel
         executors = [executor_factory(cfg, s, per, max_seq_len, optimizations) for s in submeshes]
-        if model is not None and model.config.vision is not None and model.config.vision.kind != "mllama":
+        if model is not None and model.config.vision is not None:
             from tt_backend.multimodal import VisionTower
 
             kwargs.setdefault("vision", VisionTower(model))
@@ -514,7 +536,7 @@ class Generator:
     def prefill_forward(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
                         enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
                         return_hidden_states=False, warmup_prefill=True, page_tables_per_layer=None, images=None,
-                        pixel_values=None, image_sizes=None, **kwargs):
+                        pixel_values=None, image_sizes=None, cross_page_table=None, **kwargs):
         """Prefill each user of ``tokens [batch, seq]`` into its slot; returns float32 logits ``[batch, 1, vocab]``.
 
         start_pos: per-user lengths already in the cache (prefix caching); multiples of the block size.
@@ -526,6 +548,11 @@ class Generator:
         pixel_values / image_sizes: per-user lists of the processed arrays instead (tt-metal's Gemma3 path). The
         prompt must hold its images' tokens (`input_processor`). The tower runs in JAX on the host and the TT
         prefill starts from the resulting input embeddings.
+
+        Mllama (`MllamaForConditionalGeneration`): images per user as tt-metal passes them (an image, a list, or the
+        processed inputs); the tower's image features enter the TT prefill, whose cross-attention layers compute
+        and keep their K/V in the cross layers' caches through ``cross_page_table`` [batch, W] (each row: that
+        user's blocks for its `cross_attn_tokens` image-feature tokens). A row without images skips them.
         """
         if "reset_batch" in kwargs:
             raise TypeError("reset_batch is a pre-contract keyword; decode_input_update_contract 1 does not accept it")
@@ -539,6 +566,10 @@ class Generator:
         tokens = np.asarray(tokens)
         B, T = tokens.shape
         user_images = self._user_images(B, images, pixel_values, image_sizes)
+        crossing = any(s.attention.kind == "cross" for s in self.config.layers)
+        if cross_page_table is not None and not crossing:
+            raise ValueError(f"cross_page_table is for cross-attention layers; this {self.config.family} model has "
+                             "none")
         prompt_lens = [T] * B if prompt_lens is None else [int(n) for n in np.asarray(prompt_lens).reshape(-1)]
         empty_slots = list(range(B)) if empty_slots is None else [int(s) for s in empty_slots]
         cached = [0] * B if start_pos is None else [int(n) for n in np.asarray(start_pos).reshape(-1)]
@@ -547,7 +578,7 @@ class Generator:
         tables = self._page_tables_per_layer(page_table, page_tables_per_layer)
         bs = self._require_block_size()
         modulo = self.cache_position_modulo()
-        vocab = self.config.vocab_size
+        vocab = self.config.logits_size
         for r in self._resident:  # the first decode after a prefill is a transition: inputs must be reloaded
             if r is not None:
                 r.device_sampled = False
@@ -564,16 +595,49 @@ class Generator:
             if n_cached and any(modulo):
                 raise NotImplementedError("prefix caching / chunk continuation is not supported with sliding rings")
             model_id = slot // self.max_batch_size_per_model
-            embeddings = blocks = None
+            embeddings = blocks = cross = None
             if user_images[idx] is not None:
                 if n_cached:
                     raise NotImplementedError(f"row {idx}: images with a cached prefix (start_pos={n_cached}): "
                                               "the image features are spliced into the whole prompt")
-                embeddings, blocks = self.vision.prefill_inputs(tokens[idx, :seq_len], user_images[idx])
+                if crossing:
+                    cross = self._cross_prefill(idx, tokens[idx, :seq_len], user_images[idx], cross_page_table)
+                else:
+                    embeddings, blocks = self.vision.prefill_inputs(tokens[idx, :seq_len], user_images[idx])
             out[idx, 0] = self._prefill_user(
                 tokens[idx, n_cached:seq_len], n_cached, seq_len, [pt[idx] for pt in tables], modulo,
-                kv_cache[model_id], model_id, self._row_owners(model_id, [slot]), embeddings, blocks)
+                kv_cache[model_id], model_id, self._row_owners(model_id, [slot]), embeddings, blocks, cross)
+            if crossing:  # what this slot's decode rows see; a request without images clears the last one's
+                self._cross_rows[slot] = None if cross is None else cross.tiles[-1].copy()
         return out
+
+    @property
+    def max_cross_attn_tokens(self) -> int:
+        """Image-feature tokens a request's cross K/V may hold (tt-metal's name): cross_page_table rows need
+        ceil(cross_attn_tokens(images) / block_size) blocks."""
+        return self.cross_attn_tokens(self.max_images_per_prompt)
+
+    def cross_attn_tokens(self, num_images: int) -> int:
+        """Mllama: the image-feature tokens of `num_images` images (each max_tiles tiles, pad tiles included)."""
+        from tt_backend import cross_attention
+
+        return cross_attention.cross_tokens(self.config, num_images)
+
+    def _cross_prefill(self, idx: int, tokens, entry, cross_page_table):
+        """Row idx's Mllama images -> its `cross_attention.CrossPrefill` (features from the JAX tower)."""
+        from tt_backend.cross_attention import CrossPrefill
+
+        if cross_page_table is None:
+            raise ValueError("Mllama images need cross_page_table: per row, the blocks of its image-feature K/V in "
+                             "the cross layers' caches")
+        table = np.asarray(cross_page_table)
+        if table.ndim != 2 or table.shape[0] <= idx:
+            raise ValueError(f"cross_page_table must be [batch, blocks] with a row per user, got {list(table.shape)}")
+        try:
+            states, tiles = self._tower().cross_inputs(tokens, entry, self.max_images_per_prompt)
+        except ValueError as e:
+            raise ValueError(f"row {idx}: {e}") from None
+        return CrossPrefill(states, tiles, table[idx])
 
     def input_processor(self, prompt, images=None) -> tuple[list[int], dict | None]:
         """vLLM's multimodal input processor: (prompt token ids with each image placeholder expanded into the
@@ -593,10 +657,6 @@ class Generator:
         v = self.config.vision
         if v is None:
             raise ValueError(f"this {self.config.family} model has no vision tower: it takes no images")
-        if v.kind == "mllama":
-            from tt_backend.multimodal import MLLAMA_NOT_LOWERED
-
-            raise NotImplementedError(MLLAMA_NOT_LOWERED)
         if self.vision is None:
             raise ValueError("images need the vision tower's weights: build the generator with "
                              "initialize_vllm_model(model=...) or pass vision=tt_backend.multimodal.VisionTower(model)")
@@ -619,6 +679,11 @@ class Generator:
         if all(e is None or isinstance(e, (list, tuple)) and not e for e in per_user):
             return [None] * batch
         tower = self._tower()
+        if self.config.vision.kind == "mllama":  # raw or processed, per user: VisionTower.cross_inputs reads them
+            if images is None:
+                raise ValueError("Mllama takes images= (per user: images, or the processor's pixel_values with "
+                                 "aspect_ratio_ids and aspect_ratio_mask), not pixel_values= alone")
+            return [None if e is None or isinstance(e, (list, tuple)) and not e else e for e in per_user]
         if images is None:  # tt-metal's Gemma3 path: per-user pixel_values (and Mistral3's image_sizes)
             per_user = [None if pv is None else {"pixel_values": np.asarray(pv)} | (
                 {} if image_sizes is None or image_sizes[i] is None else {"image_sizes": np.asarray(image_sizes[i])})
@@ -634,7 +699,7 @@ class Generator:
         return self.block_size
 
     def _prefill_user(self, new_tokens, n_cached, seq_len, rows, modulo, kv, model_id, owners, embeddings=None,
-                      blocks=None):
+                      blocks=None, cross=None):
         bs = self.block_size
         n_new = seq_len - n_cached
         padded = get_padded_prefill_len(n_new)
@@ -658,10 +723,19 @@ class Generator:
             else:
                 user_tables.append(pc.prefill_page_table(row, seq_len, n_cached + padded, bs))
         written = [set(t[0, n_cached // bs:][t[0, n_cached // bs:] >= 0].tolist()) for t in user_tables]
+        for layer, spec in enumerate(self.config.layers):
+            if spec.attention.kind == "cross":  # writes its image K/V through the cross table, or nothing
+                own = np.asarray(cross.page_table)[:-(-cross.states.shape[0] // bs)] if cross is not None else []
+                written[layer] = {int(x) for x in own if x >= 0}
         _check_shared_writes(kv, dict(enumerate(written)))
+        if cross is not None:
+            image["cross"] = cross
         chunk = get_max_prefill_chunk_size(padded, self.max_prefill_chunk_size)
         if chunk < padded and any(modulo):
             raise NotImplementedError("chunked prefill is not supported with sliding rings (as in tt-metal)")
+        if chunk < padded and cross is not None:
+            raise NotImplementedError(f"a prompt with Mllama images pads to {padded} tokens > the prefill chunk "
+                                      f"{self.max_prefill_chunk_size}: its cross layers fill their K/V in one prefill")
         if chunk < padded and blocks is not None:
             raise NotImplementedError(f"a prompt with Gemma3 images pads to {padded} tokens > the prefill chunk "
                                       f"{self.max_prefill_chunk_size}: chunked prefill has no attention mask for "
@@ -675,7 +749,7 @@ class Generator:
                 ids[:, start:end], chunk_start=n_cached + start, last_token_idx=min(last, end - 1) - start,
                 valid_seq_len=max(0, min(n_new, end) - start), page_tables=user_tables,
                 chunk_page_tables=chunk_tables, kv_cache=kv, cache_position_modulo=modulo, owners=owners,
-                **{k: v[start:end] for k, v in image.items()})
+                **{k: v if k == "cross" else v[start:end] for k, v in image.items()})
             if start <= last < end:  # later chunks would hold only padding
                 return logits
         raise AssertionError("unreachable: the last token lies in some chunk")
@@ -684,9 +758,14 @@ class Generator:
     def decode_forward(self, tokens, start_pos, page_table=None, kv_cache=None, enable_trace=True,
                        read_from_device=True, sampling_params=None, reload_inputs=True, reload_page_table=False,
                        reload_sampling_params=False, reset_sampling_state=False, prompt_tokens=None,
-                       output_tokens=None, slot_remap=None, page_tables_per_layer=None, **kwargs):
+                       output_tokens=None, slot_remap=None, page_tables_per_layer=None, cross_page_table=None,
+                       **kwargs):
         """One decode step for every slot. Returns logits ``[batch, 1, vocab]`` (host sampling) or the greedy
         tokens ``[batch]`` (``sampling_params`` with temperature 0, sampled "on device").
+
+        Mllama: ``cross_page_table`` [batch, W] (reloaded with the page tables) addresses the image K/V each slot's
+        prefill kept; which tiles a slot's rows see is kept by the generator from that prefill (tt-metal hands
+        the masks back to vLLM, which passes them to every decode). Slots without images add nothing there.
 
         Reload commands (contract v1): ``reload_inputs`` copies tokens, positions and page tables into the
         persistent inputs; ``reload_page_table`` copies only page tables and is illegal together with it;
@@ -699,6 +778,9 @@ class Generator:
             raise TypeError("reset_batch is a pre-contract keyword; decode_input_update_contract 1 does not accept it")
         if kwargs:
             raise TypeError(f"unexpected decode_forward arguments: {sorted(kwargs)}")
+        if cross_page_table is not None and not any(s.attention.kind == "cross" for s in self.config.layers):
+            raise ValueError(f"cross_page_table is for cross-attention layers; this {self.config.family} model has "
+                             "none")
         if reload_inputs and reload_page_table:
             raise ReloadContractError("reload_page_table is only valid without reload_inputs "
                                       "(a full input reload already copies the page tables)")
@@ -722,6 +804,8 @@ class Generator:
         if reload_inputs or reload_page_table:
             tables = self._page_tables_per_layer(page_table, page_tables_per_layer)
             table_parts = [pc.chunk_batch(t, dp) for t in tables]  # [layer][submesh]
+            cross_parts = ([None] * dp if cross_page_table is None else
+                           pc.chunk_batch(np.asarray(cross_page_table, np.int32), dp))
         if not reload_inputs and any(r is None or not r.device_sampled for r in self._resident):
             raise ReloadContractError("reload_inputs=False but no resident decode inputs are valid: the previous "
                                       "decode did not sample on device, a prefill came in between, or there "
@@ -739,6 +823,8 @@ class Generator:
                 if reload_inputs or reload_page_table:
                     for layer, t in enumerate(table_parts):
                         staged[f"submesh{i}.page_table[{layer}]"] = t[i]
+                    if cross_parts[i] is not None:
+                        staged[f"submesh{i}.cross_page_table"] = cross_parts[i]
             self._check_replay(staged, kv_cache)
         for i in range(dp):
             if reload_inputs:
@@ -746,6 +832,8 @@ class Generator:
                                               [t[i].copy() for t in table_parts])
             elif reload_page_table:
                 self._resident[i].page_tables = [t[i].copy() for t in table_parts]
+            if reload_inputs or reload_page_table:
+                self._resident[i].cross_page_table = None if cross_parts[i] is None else cross_parts[i].copy()
         if enable_trace and self._trace is None:
             self._trace = self._trace_signature(kv_cache)  # capture
 
@@ -759,6 +847,8 @@ class Generator:
                                      f"{f'a ring of {m}' if m else f'position {top}'}")
             writes = {}
             for layer, (t, m) in enumerate(zip(r.page_tables, modulo)):
+                if self.config.layers[layer].attention.kind == "cross":
+                    continue  # a cross layer writes nothing in decode
                 q = np.where(r.positions >= 0, r.positions % m if m else r.positions, -1)
                 rows = np.flatnonzero((q >= 0) & (q // bs < t.shape[1]))
                 blocks = t[rows, q[rows] // bs]
@@ -767,7 +857,8 @@ class Generator:
             slots = range(i * self.max_batch_size_per_model, i * self.max_batch_size_per_model + len(r.tokens))
             logits = np.asarray(self.model[i].decode(
                 r.tokens.copy(), r.positions.copy(), page_tables=r.page_tables, kv_cache=kv_cache[i],
-                cache_position_modulo=modulo, owners=self._row_owners(i, list(slots))), np.float32)
+                cache_position_modulo=modulo, owners=self._row_owners(i, list(slots)),
+                **self._cross_decode(r, slots)), np.float32)
             if greedy:
                 nxt = np.argmax(logits, axis=-1).astype(np.int32)
                 active = r.positions >= 0
@@ -780,6 +871,18 @@ class Generator:
                 parts.append(logits[:, None, :])
         out = _DeviceOutput(parts, sum(len(p) for p in parts), greedy)
         return self.read_decode_output(out) if read_from_device else out
+
+    def _cross_decode(self, r: _Resident, slots) -> dict:
+        """The `cross` keyword of a submesh's decode: only when one of its slots holds images (Mllama)."""
+        tiles = [self._cross_rows[s] for s in slots]
+        if all(t is None for t in tiles):
+            return {}
+        if r.cross_page_table is None:
+            raise ValueError("slots that were prefilled with images decode through their kept image K/V: pass "
+                             "cross_page_table (as in their prefill)")
+        from tt_backend.cross_attention import CrossDecode
+
+        return {"cross": CrossDecode(tiles, r.cross_page_table, self.max_cross_attn_tokens)}
 
     def read_decode_output(self, output: _DeviceOutput, async_read: bool = False):
         """Host copy of a decode result (tokens ``[batch]`` or logits ``[batch, 1, vocab]``)."""
@@ -807,6 +910,8 @@ class Generator:
             shapes[f"submesh{i}.start_pos"] = (r.positions.shape, r.positions.dtype)
             for layer, t in enumerate(r.page_tables):
                 shapes[f"submesh{i}.page_table[{layer}]"] = (t.shape, t.dtype)
+            if r.cross_page_table is not None:
+                shapes[f"submesh{i}.cross_page_table"] = (r.cross_page_table.shape, r.cross_page_table.dtype)
         bufs = tuple(id(a) for sub in kv_cache for layer in sub for a in layer)
         return _Trace(shapes, bufs)
 
@@ -835,6 +940,8 @@ class Generator:
             local = [old - i * stride for old in remap[i * stride:(i + 1) * stride]]
             if any(not 0 <= o < stride for o in local):
                 raise ValueError(f"slot_remap moves a request across data-parallel submesh {i}")
+            base = i * self.max_batch_size_per_model  # Mllama: what each slot's rows see moves with the slot
+            self._cross_rows[base:base + stride] = [self._cross_rows[base + o] for o in local]
             if r is None:
                 continue
             if len(r.tokens) != stride:
@@ -886,7 +993,7 @@ class TTNNDeviceExecutor:
     are not updated). Block ownership is not checked on the device; the generator's shared-block check runs."""
 
     def __init__(self, programs, device, params):
-        from tt_backend.weights import prepare
+        from tt_backend.cross_attention import prepare  # weights.prepare, plus Mllama's cross layers
 
         self.programs, self.device, self.config = programs, device, programs.config
         host = prepare(self.config, params, programs.max_seq_len)
@@ -912,17 +1019,17 @@ class TTNNDeviceExecutor:
         return np.asarray(x, np.float32).reshape(-1, x.shape[-1])
 
     def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
-                kv_cache, cache_position_modulo, owners, embeddings=None, image_blocks=None):
+                kv_cache, cache_position_modulo, owners, embeddings=None, image_blocks=None, cross=None):
         modulo = VLLMExecutor._modulo(cache_position_modulo)
         prog, inputs = self.programs.prefill_inputs(
             np.asarray(tokens).reshape(-1), int(chunk_start), list(page_tables),
             None if chunk_page_tables is None else list(chunk_page_tables), modulo, int(valid_seq_len),
-            embeddings, image_blocks)
+            embeddings, image_blocks, cross)
         return self._run(prog, inputs, kv_cache)[int(last_token_idx)]
 
-    def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners):
+    def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners, cross=None):
         prog, inputs = self.programs.decode_inputs(tokens, positions, list(page_tables),
-                                                   VLLMExecutor._modulo(cache_position_modulo))
+                                                   VLLMExecutor._modulo(cache_position_modulo), cross)
         return self._run(prog, inputs, kv_cache)[:len(tokens)]
 
 
@@ -984,7 +1091,8 @@ class Exaone4ForCausalLM(HybridAttentionForCausalLM):
 
 # ------------------------------------------------------------------------------- multimodal
 # What the *ForConditionalGeneration classes tell vLLM about images (tt_backend.multimodal):
-# vision_tower "jax": the tower runs in JAX on the host and its embeddings enter the TT text prefill (not ttnn calls).
+# vision_tower "jax": the tower runs in JAX on the host and its embeddings enter the TT text prefill (not ttnn calls);
+# Mllama's image features enter its lowered cross-attention layers instead ("image_inputs": "cross_attention").
 _VISION_IN_JAX = {"supports_multimodal": True, "vision_tower": "jax", "image_inputs": "embeddings"}
 
 
@@ -1012,16 +1120,25 @@ class Mistral3ForConditionalGeneration(MistralForCausalLM):
 
 
 class MllamaForConditionalGeneration(Generator):
-    """Llama 3.2 Vision: refused. Its images enter through cross-attention layers, which are not lowered
-    (`tt_backend.multimodal.MLLAMA_NOT_LOWERED`), so the emulated program cannot be built for it and images
-    raise NotImplementedError naming what is missing, even with a custom executor."""
+    """Llama 3.2 Vision. The tiled vision tower and projector run in JAX on the host; the image features enter the
+    TT prefill, whose lowered cross-attention layers project them to K/V (each layer its own wk / wv / k_norm),
+    keep them in the cross layers' paged caches through ``cross_page_table`` and read them in every decode step
+    (not recomputed). A request without images skips the cross layers, as HF does (each request on its own: HF's
+    batched rule, where a text row next to image rows attends to a zero image, is a batching artifact not copied).
 
-    model_capabilities = {"supports_prefix_caching": False, "supports_multimodal": False, "vision_tower": None,
-                          "not_lowered": "cross-attention layers (cross K/V cache, gated residuals, cross mask)"}
+    ``prefill_forward(tokens, images, page_table, kv_cache, prompt_lens, cross_page_table)`` is tt-metal's
+    generator_vllm order; images per user: None, one image or a list (at most ``max_images_per_prompt``, default 1
+    as tt-metal), or the processed inputs (`input_processor`'s, a BatchFeature). The prompt holds one <|image|>
+    token per image; the cross-attention mask comes from the tokens (tt-metal's create_vision_mask) unless given.
+    ``decode_forward(..., cross_page_table=)``: the masks are kept per slot by the generator."""
+
+    model_capabilities = {"supports_prefix_caching": False, **_VISION_IN_JAX, "image_inputs": "cross_attention",
+                          "cross_attention_kv": "device"}
 
     def prefill_forward(self, tokens, images=None, page_table=None, kv_cache=None, prompt_lens=None,
                         cross_page_table=None, **kwargs):
-        return super().prefill_forward(tokens, page_table, kv_cache, prompt_lens, images=images, **kwargs)
+        return super().prefill_forward(tokens, page_table, kv_cache, prompt_lens, images=images,
+                                       cross_page_table=cross_page_table, **kwargs)
 
 
 class GptOssForCausalLM(HybridAttentionForCausalLM):

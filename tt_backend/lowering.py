@@ -24,6 +24,12 @@ spliced image features, made by the caller) instead of "tokens" and the embeddin
 replaces the causal rule of prefill SDPA by additive masks [1, 1, S, S] (`attention_masks`: Gemma3's
 bidirectional image blocks), one input per distinct window ("attn_mask", "attn_mask.w<W>"). Decode is unchanged.
 
+Mllama's cross-attention layers (`cross_tokens`, `_cross_layer`): the prefill of a request with images reads its
+image features ("cross_states", from the vision tower run in JAX on the host: `tt_backend.multimodal`), projects
+them through each cross layer's wk / wv + k_norm and fills that layer's paged cache through "cross_page_table";
+decode reads those K/V back (nothing recomputed). Additive masks and HF's row mask are host inputs
+(`tt_backend.cross_attention`). Without images (cross_tokens=0) the cross layers are skipped, as in HF.
+
 MoE layers (GPT-OSS, Qwen3-MoE routers) are lowered with dense experts: every expert runs on every
 row, weighted by its routing weight (exact routing, E times the expert work of ttnn.sparse_matmul).
 
@@ -63,9 +69,8 @@ def check_layer(cfg: ModelConfig, i: int, spec: LayerSpec) -> None:
     if spec.residual != "plain":
         raise NotImplementedError(f"{where}: residual {spec.residual!r} (mHC) lowering is a later issue")
     if a.kind == "cross":
-        raise NotImplementedError(f"{where}: Mllama's cross-attention layer (image K/V in a cross cache, tanh-gated "
-                                  f"residuals, the cross-attention mask) has no ttnn lowering yet")
-    if a.kind != "gqa":
+        _check_cross_layer(cfg, where, spec)
+    elif a.kind != "gqa":
         raise NotImplementedError(f"{where}: {a.kind!r} attention (DeepSeek's latent attention) lowering is a later issue")
     if spec.engram >= 0:
         raise NotImplementedError(f"{where}: Engram lowering is a later issue")
@@ -319,6 +324,8 @@ def _layer(b: Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: di
 
 
 def _layer_body(b: Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_name: dict) -> str:
+    if spec.attention.kind == "cross":  # Mllama: skipped without image features (a text-only request), as HF
+        return _cross_layer(b, i, spec, x, rows) if b.cross_tokens else x
     cfg = b.cfg
     D, eps, L, n = cfg.hidden_size, cfg.norm_eps, f"layers.{i}", f"l{i}"
     shape = (1, 1, rows, D)
@@ -348,10 +355,12 @@ def _layer_body(b: Builder, i: int, spec: LayerSpec, x: str, rows: int, rope_nam
 def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, rows: int, max_seq_len: int,
              block_size: int,
              page_table_width: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
-             modulo: tuple = (), embeddings: bool = False, attention_mask: bool = False) -> TTProgram:
+             modulo: tuple = (), embeddings: bool = False, attention_mask: bool = False,
+             cross_tokens: int = 0) -> TTProgram:
     prefill = mode == "prefill"
     b = Builder(cfg, prec, mode, chunk_start if prefill else 0, per_layer_page_tables, modulo,
                  masked=attention_mask and prefill)
+    b.cross_tokens = cross_tokens  # image-feature tokens the cross layers read (0: they are skipped)
     D, V, K, d = cfg.hidden_size, cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim
     users = 1 if mode == "prefill" else rows
     embeddings = embeddings and prefill
@@ -369,6 +378,8 @@ def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, r
         inputs.append(b.tensor("valid_seq_len", (1,), I32, RM, DRAM, "input"))
     if mode == "decode":
         inputs.append(b.tensor("cur_pos", (rows,), I32, RM, DRAM, "input"))
+    if cross_tokens:
+        inputs += _cross_inputs(b, rows, cross_tokens, block_size)
     for i in range(cfg.num_layers):
         for kv in "kv":
             b.tensor(f"kv.{i}.{kv}", (None, K, block_size, d), prec.kv_cache, TILE_L, DRAM, "state")
@@ -394,10 +405,13 @@ def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, r
         if cfg.embed_scale is not None:
             x = b.call("ttnn.mul", [x], {"input_tensor_b": float(cfg.embed_scale), "memory_config": b.mem},
                        "x0.scaled", (1, 1, rows, D))
+    layer_outputs = []
     for i, spec in enumerate(cfg.layers):
         x = _layer(b, i, spec, x, rows, rope_name)
+        layer_outputs.append(x)  # a skipped cross layer's output is its input
     fw = b.weight("final_norm", (1, 1, 1, D), BF16, RM)
     h = _norm(b, x, fw, cfg.norm, (1, 1, rows, D), "final.h", cfg.norm_eps)
+    V = cfg.logits_size  # Mllama's head has fewer rows than its embedding
     head = b.weight("lm_head", (1, 1, D, V), prec.lm_head)
     out = b.call("ttnn.linear", [h, head], {"dtype": BF16, "compute_kernel_config": compute_config(prec.lm_head_op),
                                             "memory_config": b.mem}, "logits.raw", (1, 1, rows, V))
@@ -413,7 +427,7 @@ def _program(cfg: ModelConfig, prec: Precision | DecodersPrecision, mode: str, r
                      {"rows": rows, "block_size": block_size, "page_table_width": page_table_width,
                       "chunk_start": b.chunk_start, "cache_position_modulo": list(modulo) or None,
                       **({"embeddings": True} if embeddings else {}), **({"attention_mask": True} if b.masked else {}),
-                      "layer_outputs": [f"l{i}.out" for i in range(cfg.num_layers)]})
+                      **({"cross_tokens": cross_tokens} if cross_tokens else {}), "layer_outputs": layer_outputs})
     check_program(prog)
     return prog
 
@@ -422,7 +436,7 @@ def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int =
           max_seq_len: int = 8192, block_size: int = 32, policy: str | Precision | DecodersPrecision = "performance",
           chunk_start: int = 0, per_layer_page_tables: bool = False,
           cache_position_modulo: tuple[int | None, ...] | None = None, embeddings: bool = False,
-          attention_mask: bool = False) -> TTModelProgram:
+          attention_mask: bool = False, cross_tokens: int = 0) -> TTModelProgram:
     """The prefill program for a prompt of `prefill_len` tokens (padded to a multiple of 128) and
     the decode program for `batch` users, over paged caches of `block_size`-token blocks and
     page tables wide enough for `max_seq_len` positions.
@@ -435,11 +449,15 @@ def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int =
     embeddings: the prefill reads input embeddings [1, 1, S, D] ("embeddings") instead of token ids.
     attention_mask: prefill attention reads additive masks ([1, 1, S, S], `attention_masks`) instead of the
     causal rule; not with chunk_start (the mask would have to cover the cached prefix too).
+    cross_tokens: Mllama's cross-attention layers read this many image-feature tokens per user (padded to a multiple
+    of 128; the prefill fills their K/V from "cross_states", decode reads them back); 0: the cross layers are
+    skipped (a text-only request, as HF skips them without images).
     """
     from tt_backend import deepseek_lowering
 
     if deepseek_lowering.is_deepseek(cfg):  # mHC / MLA / Engram: its own lowering and caches
-        if chunk_start or per_layer_page_tables or cache_position_modulo or embeddings or attention_mask:
+        if (chunk_start or per_layer_page_tables or cache_position_modulo or embeddings or attention_mask
+                or cross_tokens):
             raise NotImplementedError("DeepSeek lowering: chunked / paged / multimodal prefill options are not "
                                       "supported yet")
         return deepseek_lowering.lower(cfg, prefill_len=prefill_len, batch=batch, max_seq_len=max_seq_len,
@@ -472,8 +490,15 @@ def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int =
     if attention_mask and chunk_start:
         raise NotImplementedError("a masked prefill (Gemma3's bidirectional image blocks) runs whole prompts from "
                                   "position 0: chunked_scaled_dot_product_attention takes no attention mask")
+    if cross_tokens:
+        if not any(s.attention.kind == "cross" for s in cfg.layers):
+            raise ValueError(f"cross_tokens={cross_tokens}: this {cfg.family} model has no cross-attention layers")
+        if chunk_start:
+            raise NotImplementedError("a prefill with image features runs the whole prompt from position 0 (the "
+                                      "cross layers fill their K/V once)")
+        cross_tokens = padded_prefill_len(cross_tokens)
     width = math.ceil(max_seq_len / block_size)
-    opts = dict(per_layer_page_tables=per_layer_page_tables, modulo=modulo)
+    opts = dict(per_layer_page_tables=per_layer_page_tables, modulo=modulo, cross_tokens=cross_tokens)
     return TTModelProgram(
         prefill=_program(cfg, prec, "prefill", S, max_seq_len, block_size, width, chunk_start, **opts,
                          embeddings=embeddings, attention_mask=attention_mask),
@@ -483,3 +508,93 @@ def lower(cfg: ModelConfig, *, prefill_len: int = PREFILL_MULTIPLE, batch: int =
                                                          "dtype": prec.kv_cache},
               "sliding_window": [s.attention.window for s in cfg.layers]},
     )
+
+
+# ------------------------------------------------------------------ Mllama cross-attention layers
+# A cross layer's keys and values come from the image features ("cross_states", the projected vision tower output the
+# host computes in JAX), not from the text: the prefill projects them through the layer's own wk/wv + k_norm and fills
+# the layer's paged cache through "cross_page_table" (tt-metal's compute_xattn_kv_cache); decode only reads them.
+CROSS_INPUTS = {"prefill": ("cross_states", "cross_mask", "cross_mlp_keep", "cross_page_table"),
+                "decode": ("cross_mask", "cross_attn_keep", "cross_mlp_keep", "cross_page_table")}
+
+
+def _check_cross_layer(cfg: ModelConfig, where: str, spec: LayerSpec) -> None:
+    a = spec.attention
+    if a.rope is not None or a.window is not None or a.qk_norm not in (None, "rms") or a.qkv_bias or a.out_bias:
+        raise NotImplementedError(f"{where}: a cross-attention layer with rope / window / {a.qk_norm!r} q-k norm / "
+                                  f"biases is not Mllama's and is not lowered")
+    if cfg.num_heads % 2:
+        raise TTConstraintError(f"{where}: {cfg.num_heads} query heads: the cross layer splits them with tt-metal's "
+                                f"nlp_create_qkv_heads(xq, xq, num_kv_heads=H / 2), which needs H even")
+
+
+def _cross_inputs(b: Builder, rows: int, cross_tokens: int, block_size: int) -> list[str]:
+    """The cross layers' host inputs. prefill (one user): its image features [1, 1, Sx, D], the additive mask
+    [1, 1, S, Sx] (`cross_attention.masks`), HF's full_text_row_masked_out_mask as [1, 1, S, D] (a text row that
+    sees no tile gets no MLP update) and the user's cross page table [1, Wx]; decode (B users): the mask
+    [1, B, H, Sx] (the layout of q), a per-user keep [1, B, H, d] on the attention output (0 for a user without
+    images: its cross layers add nothing), the MLP keep [1, 1, B, D] and the users' cross page tables [B, Wx].
+    Masks and keeps are expanded on the host (tt-metal: "broadcast ops broken ... must broadcast on host")."""
+    D, H, d = b.cfg.hidden_size, b.cfg.num_heads, b.cfg.head_dim
+    users = 1 if b.mode == "prefill" else rows
+    shapes = {"cross_states": (1, 1, cross_tokens, D), "cross_attn_keep": (1, rows, H, d),
+              "cross_mask": (1, 1, rows, cross_tokens) if b.mode == "prefill" else (1, rows, H, cross_tokens),
+              "cross_mlp_keep": (1, 1, rows, D)}
+    names = CROSS_INPUTS[b.mode]
+    out = [b.tensor(n, shapes[n], BF16, TILE_L, DRAM, "input") for n in names[:-1]]
+    return out + [b.tensor(names[-1], (users, -(-cross_tokens // block_size)), I32, RM, DRAM, "input")]
+
+
+def _cross_layer(b: Builder, i: int, spec: LayerSpec, x: str, rows: int) -> str:
+    """MllamaCrossAttentionDecoderLayer (HF 5.24, specs/vision.md §3.4):
+    x += tanh(g_attn) * wo(attn(q_norm(wq h), k_norm(wk s), wv s; mask)),  h = rms(x);
+    x += tanh(g_mlp) * keep * mlp(rms(x)), keep = the row sees some tile. A row that sees no tile attends to every
+    image key (its mask row is 0, HF's rule) and its attention output is kept; only the MLP branch is zeroed
+    (Meta's reference and tt-metal also zero the attention branch: HF is the reference here). tanh(gate) is
+    folded into the gate weights on the host (`cross_attention.layer_weights`)."""
+    cfg, prec, mode = b.cfg, b.prec, b.mode
+    D, H, K, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    L, n = f"layers.{i}", f"l{i}"
+    shape = (1, 1, rows, D)
+    nw = lambda name: b.weight(f"{L}.{name}", (1, 1, 1, D), BF16, RM)  # noqa: E731
+    h = _norm(b, x, nw("attn_norm"), spec.norm, shape, f"{n}.h", cfg.norm_eps)
+    xq = _linear(b, h, b.weight(f"{L}.wq", (1, 1, D, H * d), prec.wqkv), f"{n}.xq", (1, 1, rows, H * d), prec.li_qkv)
+    qn = b.weight(f"{L}.q_norm", (1, 1, 1, d), BF16, RM)
+    kc, vc, pt = f"kv.{i}.k", f"kv.{i}.v", "cross_page_table"
+    sdpa = {"is_causal": False, "attn_mask": Ref("cross_mask"), "scale": d**-0.5,
+            "compute_kernel_config": compute_config(prec.sdpa)}
+    if mode == "prefill":  # [1, H, S, d]; input_kv = xq only satisfies the op (its k/v outputs are unused)
+        b.call("ttnn.experimental.nlp_create_qkv_heads", [xq, xq],
+               {"num_heads": H, "num_kv_heads": H // 2, "transpose_k_heads": False, "memory_config": DRAM},
+               (f"{n}.q", f"{n}.q_k", f"{n}.q_v"), ((1, H, rows, d), (1, H // 2, rows, d), (1, H // 2, rows, d)))
+        q = _norm(b, f"{n}.q", qn, "rms", (1, H, rows, d), f"{n}.q.n", cfg.norm_eps)
+        S = b.cross_tokens
+        xkv = _linear(b, "cross_states", b.weight(f"{L}.wkv", (1, 1, D, 2 * K * d), prec.wqkv), f"{n}.xkv",
+                      (1, 1, S, 2 * K * d), prec.li_qkv)
+        b.call("ttnn.experimental.nlp_create_qkv_heads", [xkv, xkv],  # k, v of input_kv; 2K "q" heads unused
+               {"num_heads": 2 * K, "num_kv_heads": K, "transpose_k_heads": False, "memory_config": DRAM},
+               (f"{n}.kv_q", f"{n}.k", f"{n}.v"), ((1, 2 * K, S, d), (1, K, S, d), (1, K, S, d)))
+        k = _norm(b, f"{n}.k", b.weight(f"{L}.k_norm", (1, 1, 1, d), BF16, RM), "rms", (1, K, S, d), f"{n}.k.n",
+                  cfg.norm_eps)
+        k8 = b.call("ttnn.typecast", [k], {"dtype": prec.kv_cache}, f"{n}.k8", (1, K, S, d), prec.kv_cache)
+        v8 = b.call("ttnn.typecast", [f"{n}.v"], {"dtype": prec.kv_cache}, f"{n}.v8", (1, K, S, d), prec.kv_cache)
+        for c, t in ((kc, k8), (vc, v8)):  # kept for decode: computed once per request
+            b.call("ttnn.experimental.paged_fill_cache", [c, t, pt], {"batch_idx": 0}, (), ())
+        o = b.call("ttnn.transformer.scaled_dot_product_attention", [q, k8, v8], sdpa, f"{n}.attn", (1, H, rows, d))
+        o = b.call("ttnn.experimental.nlp_concat_heads", [o], {"memory_config": DRAM}, f"{n}.concat",
+                   (1, 1, rows, H * d))
+    else:  # [1, B, H, d], the decode layout of q (no K/V of its own: nothing is written)
+        q = b.call("ttnn.reshape", [xq], {"shape": [1, rows, H, d]}, f"{n}.q", (1, rows, H, d))
+        q = _norm(b, q, qn, "rms", (1, rows, H, d), f"{n}.q.n", cfg.norm_eps)
+        o = b.call("ttnn.transformer.paged_scaled_dot_product_attention_decode", [q, kc, vc],
+                   {"page_table_tensor": Ref(pt), **sdpa, "memory_config": L1_HEIGHT}, f"{n}.attn", (1, rows, H, d))
+        o = b.call("ttnn.mul", [o, "cross_attn_keep"], {"memory_config": L1_HEIGHT}, f"{n}.attn_kept", (1, rows, H, d))
+        o = b.call("ttnn.experimental.nlp_concat_heads_decode", [o], {"num_heads": H}, f"{n}.concat",
+                   (1, 1, rows, H * d))
+    mul = lambda p, q, out: b.call("ttnn.mul", [p, q], {"memory_config": b.mem}, out, shape)  # noqa: E731
+    add = lambda p, q, out: b.call("ttnn.add", [p, q], {"memory_config": b.mem}, out, shape)  # noqa: E731
+    att = _linear(b, o, b.weight(f"{L}.wo", (1, 1, H * d, D), prec.wo), f"{n}.attn_out", shape, prec.li_o)
+    x = add(x, mul(att, b.weight(f"{L}.attn_gate", (1, 1, 1, D), BF16), f"{n}.att_g"), f"{n}.x_attn")
+    y = _mlp(b, i, spec, _norm(b, x, nw("mlp_norm"), spec.norm, shape, f"{n}.h2", cfg.norm_eps), rows)
+    y = mul(mul(y, "cross_mlp_keep", f"{n}.mlp_kept"), b.weight(f"{L}.mlp_gate", (1, 1, 1, D), BF16), f"{n}.mlp_g")
+    return add(x, y, f"{n}.out")

@@ -11,13 +11,14 @@ What runs where (the choice the generator's ``model_capabilities["vision_tower"]
   of one image attend to each other (``lowering.lower(attention_mask=True)`` with masks from
   ``lowering.attention_masks``). Decode is the text program unchanged: generated tokens are text.
 
-Not here: Mllama. Its images enter through cross-attention layers (image K/V in a cross cache, tanh-gated
-residuals, the cross-attention mask), not through the input embeddings, and those layers have no ttnn lowering
-yet (`MLLAMA_NOT_LOWERED`).
+Mllama's images do not enter the embeddings: `cross_inputs` runs its tiled encoder and projector (here, in JAX)
+and returns the image features with the prompt's tile mask; the lowered cross-attention layers compute their K/V
+from those features on the device (`tt_backend.cross_attention`).
 
     tower = VisionTower(model)                          # a jaxmodels.Model with a vision tower
     ids, images = tower.process_prompt(prompt, [img])   # token ids with the image tokens expanded + HF arrays
     emb, blocks = tower.prefill_inputs(ids, images)     # float32 [T, D], int32 [T] (Gemma3) or None
+    states, tiles = tower.cross_inputs(ids, images)     # Mllama: float32 [Sx, D], int [T, images x tiles]
 """
 from __future__ import annotations
 
@@ -30,12 +31,9 @@ import numpy as np
 
 from jaxmodels.layers import vision
 
-MLLAMA_NOT_LOWERED = ("Mllama images are not supported by the TT generator: they enter through the decoder's "
-                      "cross-attention layers, which have no ttnn lowering yet (cross-attention K/V computed from "
-                      "the vision features into a cross cache addressed by cross_page_table, the tanh-gated "
-                      "residuals, the per-token cross-attention mask); text-only Mllama is not lowered either")
 # the HF processor outputs each tower reads (vision.ACCEPTED without Gemma3's token_type_ids, which becomes the mask)
 IMAGE_FIELDS = ("pixel_values", "image_sizes", "image_grid_thw")
+MLLAMA_FIELDS = ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -49,6 +47,14 @@ def _embeddings(cfg, embed, tower, tokens, static, images):
     return vision.splice(x, tokens, cfg.vision.image_token_id, features, valid)[0].astype(jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _cross_states(v, tower, pixel_values, aspect_ratio_ids, aspect_ratio_mask):
+    """One prompt's processed images -> its cross_states [N_img * T * NP, D] (`mllama_vision.encode`)."""
+    from jaxmodels.layers import mllama_vision
+
+    return mllama_vision.encode(v, tower, pixel_values, aspect_ratio_ids, aspect_ratio_mask)[0].astype(jnp.float32)
+
+
 class VisionTower:
     """The host half of a multimodal TT prefill, over a `jaxmodels.Model`'s weights (embedding table and tower)."""
 
@@ -56,8 +62,6 @@ class VisionTower:
         cfg = model.config
         if cfg.vision is None:
             raise ValueError(f"this {cfg.family} model has no vision tower: it takes no images")
-        if cfg.vision.kind == "mllama":
-            raise NotImplementedError(MLLAMA_NOT_LOWERED)
         self.model, self.config = model, cfg
         self.bidirectional = cfg.vision.kind == "siglip"  # Gemma3: each image's soft tokens see each other
 
@@ -118,3 +122,50 @@ class VisionTower:
         if types.shape != (T,):
             raise ValueError(f"token_type_ids must hold one entry per prompt token ({T}), got {types.shape[0]}")
         return emb, np.asarray(vision.image_blocks(types.astype(np.int32)[None]))[0]
+
+    def cross_inputs(self, tokens, entry, max_images: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Mllama: one user's prompt token ids [T] and its images -> (the image features float32 [Sx, D], image,
+        tile, token order; the tiles each token sees int [T, images x max_tiles]). `entry`: raw images (a list, or
+        one image as tt-metal's generator_vllm passes it), run through the Mllama processor here; or the processed
+        inputs (a mapping / BatchFeature with pixel_values, aspect_ratio_ids, aspect_ratio_mask and optionally
+        cross_attention_mask, which is otherwise made from the tokens as the HF processor makes it: from an image's
+        token to the next image's). Checked before the tower runs: one <|image|> token per image, at most
+        `max_images`, and the arrays as `jm.forward` checks them."""
+        from jaxmodels import multimodal
+
+        v = self.config.vision
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        get = entry.get if isinstance(entry, Mapping) else lambda k: getattr(entry, k, None)
+        processed = isinstance(entry, Mapping) or get("pixel_values") is not None
+        if processed:
+            a = {k: np.asarray(get(k)) for k in MLLAMA_FIELDS if get(k) is not None}
+            missing = [k for k in MLLAMA_FIELDS[:3] if k not in a]
+            if missing:
+                raise ValueError(f"Mllama's processed images need {', '.join(MLLAMA_FIELDS[:3])}; missing "
+                                 f"{', '.join(missing)}")
+            if a["pixel_values"].ndim == 5:  # one prompt's arrays without the batch axis
+                a = {k: x[None] for k, x in a.items()}
+            n = a["pixel_values"].shape[1]
+        elif isinstance(entry, np.ndarray):
+            raise ValueError("Mllama takes raw images or the processor's outputs (pixel_values with aspect_ratio_ids "
+                             "and aspect_ratio_mask), not a bare pixel array")
+        else:
+            images = list(entry) if isinstance(entry, (list, tuple)) else [entry]
+            n = len(images)
+        have = int(np.sum(tokens == v.image_token_id))
+        if have != n:
+            raise ValueError(f"the prompt holds {have} image tokens (id {v.image_token_id}) for {n} images: each "
+                             f"image needs its <|image|> token")
+        if max_images is not None and n > max_images:
+            raise ValueError(f"{n} images, but the cross-attention caches keep {max_images} per request "
+                             f"(max_images_per_prompt; tt-metal serves 1)")
+        if not processed:
+            _, a = multimodal.prepare(self.model, [tokens.tolist()], [images])
+        if "cross_attention_mask" not in a:
+            tiles = np.asarray(a["aspect_ratio_mask"])[0].sum(-1).tolist()
+            a["cross_attention_mask"] = multimodal.cross_attention_mask([tokens.tolist()], [tiles], v.image_token_id,
+                                                                        v.max_tiles)
+        arrays, _ = vision.inputs(self.config, tokens[None], a)
+        states = _cross_states(v, self.model.params["vision"], arrays["pixel_values"], arrays["aspect_ratio_ids"],
+                               arrays["aspect_ratio_mask"])
+        return np.asarray(states), np.asarray(a["cross_attention_mask"])[0].reshape(tokens.shape[0], -1)

@@ -1,6 +1,7 @@
 """Multimodal prefill through the TT generator (issue #14 item 5): the vision tower runs in JAX on the host, its
 input embeddings enter the emulated TT text prefill, Gemma3's image soft tokens attend to each other through
-prefill attention masks, decode is the text program.
+prefill attention masks, decode is the text program (Mllama, whose images enter cross-attention layers instead:
+tests/tt/test_mllama_tt.py).
 
 The models are tests/parity/test_vision.py's tiny random Gemma3 (SigLIP, sliding window 4 < an image's 4 soft
 tokens + its markers) and Mistral3 (Pixtral, images of different sizes), converted through the public path.
@@ -20,7 +21,7 @@ import pytest
 import converters
 import jaxmodels as jm
 from jaxmodels import multimodal
-from tests.parity.test_vision import SOFT, _gemma3, _gemma_prompt, _mistral3, _mllama, _picture, _pixtral_tokens
+from tests.parity.test_vision import SOFT, _gemma3, _gemma_prompt, _mistral3, _picture, _pixtral_tokens
 from tests.tt.test_emu_ops import comp_pcc
 from tests.tt.test_tt_forward import tiny_config, tiny_model
 from tt_backend import generator as G, lowering
@@ -306,32 +307,12 @@ def test_images_for_a_text_model_and_without_weights_are_refused(gemma3):
                              images=[[_picture(56, 56, 0)]])
 
 
-def test_mllama_is_refused_naming_cross_attention():
-    hf = _mllama().config.to_dict()
-    from jaxmodels import families
-
-    cfg = families.config_from_hf(hf)
-    with pytest.raises(NotImplementedError, match="Mllama's cross-attention layer .* has no ttnn lowering"):
-        G.MllamaForConditionalGeneration.initialize_vllm_model(hf, G.EmulatedMesh((1, 1)), 1, MAX_SEQ,
-                                                               model=jm.Model(cfg, {}), numerics="exact")
-
-    class Stub:  # any other executor: the generator itself refuses Mllama images
-        config = cfg
-
-    gen = G.MllamaForConditionalGeneration.initialize_vllm_model(hf, G.EmulatedMesh((1, 1)), 1, MAX_SEQ,
-                                                                 executor_factory=lambda *a: Stub())
-    kv = gen.allocate_kv_cache((WIDTH, cfg.num_kv_heads, BS, cfg.head_dim), np.float32, cfg.num_layers)
-    with pytest.raises(NotImplementedError, match="cross-attention layers, which have no ttnn lowering yet"):
-        gen.prefill_forward(np.asarray([[512, 1, 30]]), [[_picture(30, 30, 0)]], np.arange(WIDTH)[None], kv)
-
-
 def test_capabilities_state_where_the_tower_runs():
     for cls in (G.Gemma3ForConditionalGeneration, G.Mistral3ForConditionalGeneration):
         caps = cls.model_capabilities
         assert caps["supports_multimodal"] and caps["vision_tower"] == "jax" and caps["image_inputs"] == "embeddings"
         assert caps["supports_prefix_caching"] is False
     assert G.Gemma3ForConditionalGeneration.model_capabilities["image_attention"] == "bidirectional"
-    caps = G.MllamaForConditionalGeneration.model_capabilities
-    assert caps["supports_multimodal"] is False and caps["vision_tower"] is None
-    assert "cross-attention" in caps["not_lowered"]
+    caps = G.MllamaForConditionalGeneration.model_capabilities  # tests/tt/test_mllama_tt.py runs it
+    assert caps["supports_multimodal"] and caps["vision_tower"] == "jax" and caps["image_inputs"] == "cross_attention"
     assert "supports_multimodal" not in G.LlamaForCausalLM.model_capabilities

@@ -14,9 +14,12 @@ Executor API (what `tt_backend.generator` drives for vLLM-style prefill/decode):
   Returns the logits of all T prompt positions. Multimodal prompts (`tt_backend.multimodal` makes both):
   `embeddings=` float [T, D] (the input embeddings with the image features spliced in) replaces the
   embedding lookup; `image_blocks=` int [T] (Gemma3: the bidirectional image region of each token, -1 for
-  text) runs the prefill attention under `lowering.attention_masks` instead of the causal rule.
+  text) runs the prefill attention under `lowering.attention_masks` instead of the causal rule; `cross=` (a
+  `cross_attention.CrossPrefill`: Mllama's image features, tile mask and cross page table) runs the cross-attention
+  layers, which fill their K/V caches (without it they are skipped, as HF does without images).
 - decode: `tokens` [B], `positions` [B] (absolute position of each token; -1 skips the row: no cache
-  write, zero attention output), `page_table` [B, W] with W * block_size > max position.
+  write, zero attention output), `page_table` [B, W] with W * block_size > max position. `cross=` (a
+  `cross_attention.CrossDecode`) makes Mllama's cross layers read the K/V their prefills filled.
 - caches are updated in place (device buffers), rounded to the policy's KV dtype (bfloat8_b by
   default) as the device would hold them. `owners` (a `paged_cache.RowOwners`) makes every cache write
   check block ownership and raise `paged_cache.BlockOwnershipError` on a foreign block.
@@ -53,12 +56,12 @@ import functools
 
 import numpy as np
 
-from tt_backend import paged_cache, precision
+from tt_backend import cross_attention, paged_cache, precision
 from tt_backend.emu import numerics
 from tt_backend.emu.ops import OPS, Env
 from tt_backend.lowering import PREFILL_MULTIPLE, attention_masks, check_decode_batch, lower, padded_prefill_len
 from tt_backend.program import Ref, TTProgram
-from tt_backend.weights import policy as get_policy, prepare
+from tt_backend.weights import policy as get_policy
 
 
 class Executor:
@@ -71,10 +74,11 @@ class Executor:
             # (tt_backend.precision); a Precision / DecodersPrecision object is used as given
             self.policy = precision.for_model(model, self.policy, executor=Executor)
         progs = lower(self.config, prefill_len=1, batch=1, max_seq_len=max_seq_len, block_size=block_size,
-                      policy=self.policy)  # checks the config and fixes the weight specs
+                      policy=self.policy, cross_tokens=int(cross_attention.is_cross(self.config)))
+        # (checks the config and fixes the weight specs, the cross layers' too)
         specs = {n: s for n, s in progs.prefill.tensors.items() if s.kind == "weight"}
         specs |= {n: s for n, s in progs.decode.tensors.items() if s.kind == "weight"}
-        host = prepare(self.config, model.params, max_seq_len)
+        host = cross_attention.prepare(self.config, model.params, max_seq_len)
         if set(host) != set(specs):
             raise ValueError(f"weights and program disagree: unused {sorted(set(host) - set(specs))}, "
                              f"missing {sorted(set(specs) - set(host))}")
@@ -91,11 +95,12 @@ class Executor:
     @functools.lru_cache(maxsize=32)
     def program(self, mode: str, rows: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
                 cache_position_modulo: tuple | None = None, embeddings: bool = False,
-                attention_mask: bool = False) -> TTProgram:
-        """The prefill program for `rows` (padded) tokens (from input embeddings / under attention masks: see
-        `lower`), or the decode program for `rows` users."""
+                attention_mask: bool = False, cross_tokens: int = 0) -> TTProgram:
+        """The prefill program for `rows` (padded) tokens (from input embeddings / under attention masks / with
+        cross-attention over `cross_tokens` image features: see `lower`), or the decode program for `rows` users."""
         kw = dict(max_seq_len=self.max_seq_len, block_size=self.block_size, policy=self.policy,
-                  per_layer_page_tables=per_layer_page_tables, cache_position_modulo=cache_position_modulo)
+                  per_layer_page_tables=per_layer_page_tables, cache_position_modulo=cache_position_modulo,
+                  cross_tokens=cross_tokens)
         if mode == "prefill":
             return lower(self.config, prefill_len=rows, batch=1, chunk_start=chunk_start, embeddings=embeddings,
                          attention_mask=attention_mask, **kw).prefill
@@ -136,23 +141,23 @@ class Executor:
         return t
 
     def prefill(self, tokens, page_table_row, kv_cache, *, owners=None, return_all: bool = False, embeddings=None,
-                image_blocks=None):
+                image_blocks=None, cross=None):
         """One user's prompt -> logits [T, vocab] (or every named tensor with return_all)."""
         tokens = np.asarray(tokens).reshape(-1)
         T = tokens.shape[0]
         S = padded_prefill_len(T)
         pt = paged_cache.prefill_page_table(page_table_row, T, S, self.block_size)
-        t, prog = self._prefill(tokens, 0, [pt], None, None, T, kv_cache, owners, embeddings, image_blocks)
+        t, prog = self._prefill(tokens, 0, [pt], None, None, T, kv_cache, owners, embeddings, image_blocks, cross)
         return t if return_all else _logits(t, prog)[:T]
 
     def _prefill(self, tokens, chunk_start, page_tables, chunk_page_tables, modulo, valid_len, kv_cache, owners,
-                 embeddings=None, image_blocks=None):
+                 embeddings=None, image_blocks=None, cross=None):
         prog, inputs = self.prefill_inputs(tokens, chunk_start, page_tables, chunk_page_tables, modulo, valid_len,
-                                           embeddings, image_blocks)
+                                           embeddings, image_blocks, cross)
         return self.run(prog, inputs, kv_cache, owners), prog
 
     def prefill_inputs(self, tokens, chunk_start, page_tables, chunk_page_tables, modulo, valid_len,
-                       embeddings=None, image_blocks=None) -> tuple[TTProgram, dict]:
+                       embeddings=None, image_blocks=None, cross=None) -> tuple[TTProgram, dict]:
         """The prefill program for `tokens` [T] from `chunk_start` and its host inputs (any executor runs them)."""
         T = tokens.shape[0]
         S = padded_prefill_len(T)
@@ -160,9 +165,17 @@ class Executor:
             raise ValueError(f"prompt of {T} tokens from {chunk_start} pads to {chunk_start + S} > "
                              f"max_seq_len={self.max_seq_len}")
         per_layer = _per_layer(page_tables)
+        inputs, Sx = {}, 0
+        if cross is not None:
+            if chunk_start:
+                raise NotImplementedError("a prefill with image features runs whole prompts from position 0")
+            if cross.tiles.shape[0] > S:
+                raise ValueError(f"the cross-attention tile mask has {cross.tiles.shape[0]} rows for {T} tokens")
+            Sx, cin = cross_attention.prefill_inputs(self.config, cross, S, self.block_size)
+            inputs |= {n: x if "page_table" in n else self._store(x, "ttnn.bfloat16", "host") for n, x in cin.items()}
         prog = self.program("prefill", S, chunk_start, per_layer, modulo, embeddings is not None,
-                            image_blocks is not None)
-        inputs = {"rope_pos": (chunk_start + np.arange(S, dtype=np.uint32))[None]}
+                            image_blocks is not None, cross_tokens=Sx)
+        inputs["rope_pos"] = (chunk_start + np.arange(S, dtype=np.uint32))[None]
         if embeddings is None:
             ids = np.zeros((1, S), np.uint32)
             ids[0, :T] = tokens
@@ -188,13 +201,14 @@ class Executor:
         return prog, inputs
 
     def decode(self, tokens, positions, page_table, kv_cache, *, owners=None, return_all: bool = False,
-               cache_position_modulo: tuple | None = None):
+               cache_position_modulo: tuple | None = None, cross=None):
         """One token per user -> logits [B, vocab]. `page_table`: [B, W], or a list with one per layer."""
-        prog, inputs = self.decode_inputs(tokens, positions, page_table, cache_position_modulo)
+        prog, inputs = self.decode_inputs(tokens, positions, page_table, cache_position_modulo, cross)
         t = self.run(prog, inputs, kv_cache, owners)
         return t if return_all else _logits(t, prog)
 
-    def decode_inputs(self, tokens, positions, page_table, cache_position_modulo=None) -> tuple[TTProgram, dict]:
+    def decode_inputs(self, tokens, positions, page_table, cache_position_modulo=None,
+                      cross=None) -> tuple[TTProgram, dict]:
         """The decode program for len(tokens) users and its host inputs."""
         tokens, positions = np.asarray(tokens).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
         B = tokens.shape[0]
@@ -205,9 +219,13 @@ class Executor:
             raise ValueError(f"position {positions.max()} >= max_seq_len={self.max_seq_len}")
         tables = list(page_table) if isinstance(page_table, (list, tuple)) else [page_table]
         per_layer = _per_layer(tables)
-        prog = self.program("decode", B, 0, per_layer, cache_position_modulo)
-        inputs = {"tokens": tokens.astype(np.uint32)[None], "rope_pos": np.maximum(positions, 0).astype(np.uint32)[None],
-                  "cur_pos": positions.astype(np.int32)}
+        inputs, Sx = {}, 0
+        if cross is not None:
+            Sx, cin = cross_attention.decode_inputs(self.config, cross, B, self.block_size)
+            inputs |= {n: x if "page_table" in n else self._store(x, "ttnn.bfloat16", "host") for n, x in cin.items()}
+        prog = self.program("decode", B, 0, per_layer, cache_position_modulo, cross_tokens=Sx)
+        inputs |= {"tokens": tokens.astype(np.uint32)[None], "cur_pos": positions.astype(np.int32),
+                   "rope_pos": np.maximum(positions, 0).astype(np.uint32)[None]}
         inputs |= _tables("page_table", tables, per_layer, self.config.num_layers)
         return prog, inputs
 
@@ -252,17 +270,17 @@ class VLLMExecutor:
         return m if any(x for x in m) else None
 
     def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
-                kv_cache, cache_position_modulo, owners, embeddings=None, image_blocks=None):
+                kv_cache, cache_position_modulo, owners, embeddings=None, image_blocks=None, cross=None):
         tokens = np.asarray(tokens).reshape(-1)
         t, prog = self.executor._prefill(tokens, int(chunk_start), list(page_tables),
                                          None if chunk_page_tables is None else list(chunk_page_tables),
                                          self._modulo(cache_position_modulo), int(valid_seq_len), kv_cache, owners,
-                                         embeddings, image_blocks)
+                                         embeddings, image_blocks, cross)
         return _logits(t, prog)[int(last_token_idx)]
 
-    def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners):
+    def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners, cross=None):
         return self.executor.decode(tokens, positions, list(page_tables), kv_cache, owners=owners,
-                                    cache_position_modulo=self._modulo(cache_position_modulo))
+                                    cache_position_modulo=self._modulo(cache_position_modulo), cross=cross)
 
 
 def executor_factory(model, *, numerics: str = "full", policy: str | None = None, block_size: int = 32):
@@ -319,7 +337,7 @@ def forward(model, tokens, numerics: str = "full", policy: str = "performance") 
     bs = 32
     S = padded_prefill_len(T)
     ex = Executor(model, numerics=numerics, policy=policy, max_seq_len=S, block_size=bs)
-    out = np.empty((B, T, model.config.vocab_size), np.float32)
+    out = np.empty((B, T, model.config.logits_size), np.float32)
     for b in range(B):
         kv = ex.allocate_kv_cache(S // bs)
         out[b] = ex.prefill(tokens[b], np.arange(S // bs, dtype=np.int32), kv)

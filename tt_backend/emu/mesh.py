@@ -94,7 +94,9 @@ class MeshExecutor(Executor):
     @functools.lru_cache(maxsize=32)
     def program(self, mode: str, rows: int, chunk_start: int = 0, per_layer_page_tables: bool = False,
                 cache_position_modulo: tuple | None = None, embeddings: bool = False,
-                attention_mask: bool = False) -> TTProgram:
+                attention_mask: bool = False, cross_tokens: int = 0) -> TTProgram:
+        if cross_tokens:
+            raise NotImplementedError("Mllama's cross-attention layers have no tensor-parallel placement rules yet")
         single = Executor.program(self, mode, rows, chunk_start, per_layer_page_tables, cache_position_modulo,
                                   embeddings, attention_mask)
         return tp.shard_program(single, self.mesh_shape)

@@ -64,13 +64,24 @@ def typecast(env, input_tensor, *, dtype, memory_config=None):
 
 
 @op("ttnn.experimental.nlp_create_qkv_heads")
-def nlp_create_qkv_heads(env, input_tensor, *, num_heads, num_kv_heads, transpose_k_heads=False,
+def nlp_create_qkv_heads(env, input_tensor, input_kv=None, *, num_heads, num_kv_heads, transpose_k_heads=False,
                          memory_config=None):
-    """[1, 1, S, (H + 2K) d] -> q [1, H, S, d], k [1, K, S, d] (or [1, K, d, S]), v [1, K, S, d]."""
-    _, _, S, W = input_tensor.shape
-    d = W // (num_heads + 2 * num_kv_heads)
-    x = input_tensor[0, 0].reshape(S, num_heads + 2 * num_kv_heads, d).transpose(1, 0, 2)[None]
-    q, k, v = x[:, :num_heads], x[:, num_heads:num_heads + num_kv_heads], x[:, num_heads + num_kv_heads:]
+    """[1, 1, S, (H + 2K) d] -> q [1, H, S, d], k [1, K, S, d] (or [1, K, d, S]), v [1, K, S, d]. With `input_kv`
+    (ttnn: the input is "the q tensor if kv_tensor is populated"): q from input_tensor [1, 1, S, H d], k and v
+    from input_kv [1, 1, S, 2 K d]."""
+    def heads(x, n):
+        _, _, S, W = x.shape
+        return x[0, 0].reshape(S, n, W // n).transpose(1, 0, 2)[None]
+
+    if input_kv is None:
+        x = heads(input_tensor, num_heads + 2 * num_kv_heads)
+        q, k, v = x[:, :num_heads], x[:, num_heads:num_heads + num_kv_heads], x[:, num_heads + num_kv_heads:]
+    else:
+        if input_kv.shape[2] != input_tensor.shape[2]:
+            raise NotImplementedError("nlp_create_qkv_heads with input_kv of another length than the input is not "
+                                      "emulated (whether ttnn allows it is unverified)")
+        q, kv = heads(input_tensor, num_heads), heads(input_kv, 2 * num_kv_heads)
+        k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
     return q, (k.transpose(0, 1, 3, 2) if transpose_k_heads else k), v
 
 
@@ -250,7 +261,8 @@ def scaled_dot_product_attention(env, input_tensor_q, input_tensor_k, input_tens
                                  compute_kernel_config=None, program_config=None, memory_config=None):
     """q [1, H, S, d], k/v [1, K, S, d] -> [1, H, S, d]; grouped heads, causal, optional window of
     `sliding_window_size` keys (the query and the W-1 before it) and per-head sink logits. With
-    ``is_causal=False`` an additive ``attn_mask`` [1, 1, S, S] (heads broadcast) decides what each query sees."""
+    ``is_causal=False`` an additive ``attn_mask`` [1, 1, S, Sk] (heads broadcast) decides what each query sees;
+    k/v may then hold Sk != S keys (cross-attention: tt-metal's Mllama prefill)."""
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: attn_mask needs is_causal=False (ttnn asserts it)")
     _, H, S, d = input_tensor_q.shape
@@ -261,9 +273,9 @@ def scaled_dot_product_attention(env, input_tensor_q, input_tensor_k, input_tens
     if not is_causal:
         if attn_mask is None:
             raise NotImplementedError("non-causal prefill attention without a mask is not emulated")
-        mask = np.asarray(attn_mask, F32)
-        if mask.shape != (1, 1, S, S):
-            raise ValueError(f"attn_mask must be [1, 1, {S}, {S}], got {list(mask.shape)}")
+        mask, Sk = np.asarray(attn_mask, F32), input_tensor_k.shape[2]
+        if mask.shape != (1, 1, S, Sk):
+            raise ValueError(f"attn_mask must be [1, 1, {S}, {Sk}], got {list(mask.shape)}")
         if sliding_window_size:
             raise NotImplementedError("attn_mask together with sliding_window_size is not emulated (how ttnn "
                                       "combines them is unverified): put the window into the mask")
@@ -287,19 +299,39 @@ def scaled_dot_product_attention(env, input_tensor_q, input_tensor_k, input_tens
 
 @op("ttnn.transformer.paged_scaled_dot_product_attention_decode")
 def paged_scaled_dot_product_attention_decode(env, input_tensor_q, input_tensor_k, input_tensor_v, *,
-                                              page_table_tensor, cur_pos_tensor, scale=None,
-                                              sliding_window_size=None, attention_sink=None,
+                                              page_table_tensor, cur_pos_tensor=None, is_causal=True, attn_mask=None,
+                                              scale=None, sliding_window_size=None, attention_sink=None,
                                               compute_kernel_config=None, program_config=None,
                                               memory_config=None, cache_position_modulo=None):
     """q [1, B, H, d]; K/V paged caches; user b attends to its positions 0..cur_pos[b] (the last
     `sliding_window_size` of them when set: cur_pos - W < j <= cur_pos, as tt-metal's
     sdpa_test_utils.create_sliding_window_mask). cur_pos -1 skips the user (output 0); -1 page-table
     entries read as zeros. Sink logits enter the softmax unscaled (HF's GPT-OSS semantics; how ttnn's
-    kernel treats `attention_sink` is not verified)."""
+    kernel treats `attention_sink` is not verified). ``is_causal=False`` (tt-metal's Mllama cross-attention
+    decode): no positions; every user reads keys 0..Sk-1 through its page-table row, weighted by the additive
+    ``attn_mask`` [1, B, H, Sk]."""
     _, B, H, d = input_tensor_q.shape
     K = input_tensor_k.shape[1]
-    pt, pos = np.asarray(page_table_tensor), np.asarray(cur_pos_tensor).reshape(-1)
+    pt = np.asarray(page_table_tensor)
     out = np.zeros((1, B, H, d), F32)
+    sc = scale if scale is not None else d**-0.5
+    if not is_causal:
+        mask = None if attn_mask is None else np.asarray(attn_mask, F32)
+        if mask is None or mask.ndim != 4 or mask.shape[:3] != (1, B, H):
+            raise ValueError(f"non-causal decode attention needs attn_mask [1, {B}, {H}, keys], got "
+                             f"{None if mask is None else list(mask.shape)}")
+        if cur_pos_tensor is not None or sliding_window_size or attention_sink is not None:
+            raise NotImplementedError("non-causal decode attention with positions, a window or sinks is not emulated")
+        Sk = mask.shape[-1]
+        allowed = np.ones((1, Sk), bool)
+        for b in range(B):
+            keys, vals = (paged_cache.gather_sequence(c, pt[b], Sk) for c in (input_tensor_k, input_tensor_v))
+            q = input_tensor_q[0, b].reshape(K, H // K, 1, d)
+            o = _softmax_attend(env, q, keys, vals, allowed, sc, None, compute_kernel_config,
+                                bias=mask[0, b].reshape(K, H // K, 1, Sk))
+            out[0, b] = o.reshape(H, d)
+        return out
+    pos = np.asarray(cur_pos_tensor).reshape(-1)
     for b in range(B):
         p = int(pos[b])
         if p < 0:
