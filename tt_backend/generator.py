@@ -45,9 +45,9 @@ Not done (raise rather than run something else): non-greedy device sampling and 
 asynchronous readback (``read_from_device=False`` returns a handle that `read_decode_output` resolves, but
 nothing overlaps), images with a cached prefix or in a chunked prefill, and prefix caching or chunked
 prefill into sliding rings (the lowering refuses it, as tt-metal; with ``hybrid_kv_cache_groups=False``, the
-default, sliding layers keep full-length caches and both work). DeepSeek's specs are exposed, but its
-prefill/decode do not run through the generator: `tt_backend.deepseek_lowering` has no decode program or paged
-caches yet.
+default, sliding layers keep full-length caches and both work). DeepSeek's specs are exposed and
+`tt_backend.deepseek_emu.DeepSeekEmulator` runs its prefill and decode programs over those paged caches, but the
+generator's ``prefill_forward`` / ``decode_forward`` do not drive them yet.
 
 Deliberate differences from tt-metal (each guards a silent-corruption path it has):
 * A user's prefill page table holds only the blocks that cover its prompt; the padded tail's entries
