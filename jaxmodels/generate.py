@@ -23,8 +23,8 @@ class GenerateOutput:
     prompt_tokens: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the jitted program (includes compilation on first use)
     # speculative decoding (num_speculative_tokens > 0), summed over rows; None otherwise
-    acceptance_rate: float | None = None  # accepted drafts / proposed drafts
-    tokens_per_step: float | None = None  # tokens emitted per verify step and row (accepted drafts + 1)
+    acceptance_rate: float | None = None  # drafts the rejection rule accepted / drafts proposed
+    tokens_per_step: float | None = None  # tokens emitted per verify step and row (at most accepted drafts + 1)
 
     @property
     def tokens_per_second(self) -> float:
@@ -184,9 +184,9 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
         texts = [_cut_text(t, [s for s, _ in stops if s is not None]) for t in texts]
     result = GenerateOutput(results, texts, ids, seconds)
     if stats is not None:
-        row_steps, proposed, accepted = (int(v) for v in to_host(stats))
+        row_steps, proposed, accepted, emitted = (int(v) for v in to_host(stats))
         result.acceptance_rate = accepted / proposed if proposed else 0.0
-        result.tokens_per_step = (accepted + row_steps) / row_steps if row_steps else 0.0
+        result.tokens_per_step = emitted / row_steps if row_steps else 0.0
     return result
 
 

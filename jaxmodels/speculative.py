@@ -135,8 +135,9 @@ def stopped(tail, stops):
                    compiler_options=M.COMPILER_OPTIONS)
 def generate(params, tokens, lengths, key, eos, stops, *, cfg, max_new, sampling, max_len, k, shard=None):
     """Right-padded prompts [B, T] with `lengths` -> (out [B, max_new] (zeros past each row's end), tokens
-    emitted by the longest row, stats [3] int32: verify steps summed over rows, drafts proposed, drafts
-    accepted). eos [E], stops [S, L]: as jaxmodels.generate's."""
+    emitted by the longest row, stats [4] int32 summed over rows: verify steps, drafts proposed, drafts the rule
+    accepted, tokens emitted (fewer than accepted + 1 where EOS, a stop or max_new ends a row inside an accepted
+    run)). eos [E], stops [S, L]: as jaxmodels.generate's."""
     B, P = tokens.shape
     dtype = params["embed"].dtype
     rows = jnp.arange(B)
@@ -166,7 +167,7 @@ def generate(params, tokens, lengths, key, eos, stops, *, cfg, max_new, sampling
         logits, cache, aux = verify(params, cfg, chunk, pos, cache, jnp.where(active, k + 1, 0), shard)
         emitted, count = accept(logits, drafts, dlogits, ka, sampling)
         count = jnp.where(active, count, 0)
-        stats = stats + jnp.stack([jnp.sum(active), k * jnp.sum(active), jnp.sum(count - active)])
+        n_before = n
         for i in range(k + 1):  # emit one token at a time: a row ends at its first EOS / stop / max_new
             live = (i < count) & ~done & (n < max_new)
             t = emitted[:, i]
@@ -174,12 +175,14 @@ def generate(params, tokens, lengths, key, eos, stops, *, cfg, max_new, sampling
             tail = jnp.where(live[:, None], jnp.concatenate([tail[:, 1:], t[:, None]], axis=1), tail)
             n = n + live
             done = done | (live & (jnp.isin(t, eos) | stopped(tail, stops)))
+        stats = stats + jnp.stack([jnp.sum(active), k * jnp.sum(active), jnp.sum(count - active),
+                                   jnp.sum(n - n_before)])
         dcache, dstate = observe(params, cfg, dcache, aux, emitted, pos, count)
         tok = jnp.where(count > 0, jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0],
                         tok)
         return tok, pos + count, n, tail, done, out, cache, dcache, dstate, key, stats
 
     state = (first, lengths, jnp.ones((B,), jnp.int32), tail, done, out, cache, dcache, dstate, key,
-             jnp.zeros((3,), jnp.int32))
+             jnp.zeros((4,), jnp.int32))
     state = jax.lax.while_loop(cond, body, state)
     return state[5], jnp.max(state[2]), state[10]

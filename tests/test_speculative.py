@@ -120,8 +120,8 @@ def _model(cfg, params):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_speculative_equals_plain_decoding(tiny, k):
-    """Batch of 3 prompts of different lengths; the drafter (random weights) is mostly wrong, so the steps mix
-    rejections at every depth with occasional acceptances."""
+    """Batch of 3 prompts of different lengths with the model's own drafter (random weights: it is wrong at
+    nearly every step, so this checks the rejection path and the drafter's cache updates)."""
     import jaxmodels as jm
 
     cfg, params = tiny
@@ -133,6 +133,58 @@ def test_greedy_speculative_equals_plain_decoding(tiny, k):
     assert spec.tokens == plain.tokens
     assert plain.acceptance_rate is None and 0 <= spec.acceptance_rate <= 1
     assert 1 <= spec.tokens_per_step <= k + 1
+
+
+def _oracle_drafter(monkeypatch, answers, lengths, wrong):
+    """Replace the drafter's proposals by the plain decoding's tokens (`answers` [B, N], generated part), except
+    where wrong(pos [B], depth [k]) says: there the proposal is off by one. The drafter itself still runs (its
+    cache updates are exercised); jit caches are dropped so that the traced loop sees the replacement."""
+    table, lengths, own = jnp.asarray(answers, jnp.int32), jnp.asarray(lengths, jnp.int32), S.propose
+
+    def propose(params, cfg, dcache, dstate, token, pos, k, pick):
+        _, logits, dcache = own(params, cfg, dcache, dstate, token, pos, k, pick)
+        idx = jnp.clip(pos[:, None] + 1 + jnp.arange(k) - lengths[:, None], 0, table.shape[1] - 1)
+        right = table[jnp.arange(table.shape[0])[:, None], idx]
+        return jnp.where(wrong(pos[:, None], jnp.arange(k)), (right + 1) % cfg.vocab_size, right), logits, dcache
+
+    jax.clear_caches()
+    monkeypatch.setattr(S, "propose", propose)
+
+
+@pytest.mark.parametrize("name,k,wrong", [("v4", 3, "some"), ("v41", 1, "never")])
+def test_greedy_speculative_with_accepted_drafts_equals_plain_decoding(name, k, wrong, monkeypatch):
+    """Drafts that are right (all, or all but a pattern of wrong ones) make each step emit several tokens: the
+    positions advance by the accepted run, the drafter's cache follows it, the bonus token is used, and a row stops
+    inside an accepted run at max_new or at a stop string. Output equals plain decoding; with every draft right the
+    counters are exact: every draft accepted, and 11 tokens after the first in ceil(11 / (k+1)) steps a row."""
+    import jaxmodels as jm
+
+    cfg = CONFIGS[name]()
+    params = M.init_params(cfg, seed=1, std=0.05, mtp=True)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 11, 2)]
+    model = _model(cfg, params)
+    new = 12
+    answers = jm.generate(model, prompts, max_new_tokens=new + k + 1, ignore_eos=True).tokens
+    stop = [answers[1][3:5]]  # ends row 1 (and any row where the pair occurs) early
+    plain = jm.generate(model, prompts, max_new_tokens=new, ignore_eos=True, stop=stop)
+    assert len(plain.tokens[1]) < new
+    rule = {"never": lambda pos, d: jnp.zeros_like(pos + d, bool),
+            "some": lambda pos, d: (pos * 7 + d * 3) % 5 == 0}[wrong]
+    _oracle_drafter(monkeypatch, answers, [len(p) for p in prompts], rule)
+    try:
+        spec = jm.generate(model, prompts, max_new_tokens=new, ignore_eos=True, num_speculative_tokens=k)
+        assert spec.tokens == [a[:new] for a in answers]
+        if wrong == "never":
+            steps = -(-(new - 1) // (k + 1))
+            assert spec.acceptance_rate == 1.0
+            assert spec.tokens_per_step == pytest.approx((new - 1) / steps)
+        else:
+            assert 0 < spec.acceptance_rate < 1 and spec.tokens_per_step > 1
+        spec = jm.generate(model, prompts, max_new_tokens=new, ignore_eos=True, stop=stop, num_speculative_tokens=k)
+        assert spec.tokens == plain.tokens
+    finally:
+        jax.clear_caches()
 
 
 # ------------------------------------------------------------------------------ sampling: the rejection rule

@@ -200,10 +200,12 @@ def _references(model, prompts, pics):
 
 @pytest.mark.parametrize("options", [{}, {"kv_blocks": 5}, {"max_num_batched_tokens": 7}],
                          ids=["default", "preempted", "chunks"])
-def test_deepseek_v41_engine_equals_generate(deepseek41, options):
+def test_deepseek_v41_engine_equals_generate(deepseek41, options, monkeypatch):
     """Two images of different sizes in one prompt (each image token expanded to its span), one in another, a
     text-only request beside them: the engine's greedy tokens equal jm.generate's, preempted requests included
-    (recomputed with their images)."""
+    (recomputed with their images), and with a budget of 7 tokens a step the image spans prefill in several
+    chunks through M.extend."""
+    from serving.runner import Runner
     from tests.parity.test_deepseek_vision import IMG, _pictures
 
     model = deepseek41
@@ -211,10 +213,19 @@ def test_deepseek_v41_engine_equals_generate(deepseek41, options):
     prompts = [[7, 8, IMG, 9, 10, IMG, 11], [5, IMG, 6, 12], [12, 13, 14]]
     pics = [[a, b], [c], []]
     requests = _requests(model, prompts, pics)
+    run, chunks = Runner.run, []
+
+    def recorded(self, how, pieces, table):
+        chunks.extend((how, r.id, start, n) for r, start, n in pieces if how != "decode")
+        return run(self, how, pieces, table)
+
+    monkeypatch.setattr(Runner, "run", recorded)
     got, engine = _serve(model, requests, **{"max_num_batched_tokens": 64, **options})
     assert got == _references(model, [p for p, _ in requests], pics)
-    # chunks split image spans where M.extend runs DeepSeek (whole prompts where it does not)
-    assert engine.scheduler.chunked == engine.runner.extend_ok
+    assert engine.runner.extend_ok and {how for how, *_ in chunks} == {"extend"}
+    later = {rid for _, rid, start, _ in chunks if start > 0}  # requests prefilled in more than one chunk
+    if "max_num_batched_tokens" in options:  # spans longer than the step's budget of 7 tokens
+        assert {"0", "1"} <= later, chunks
     assert ("kv_blocks" in options) == (engine.scheduler.preemptions > 0)
 
 
