@@ -13,7 +13,6 @@ vs jitted fp32 arithmetic (~1e-6 apart) can flip a near-tied expert choice of a 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 
@@ -62,23 +61,12 @@ def _jit_forward(cfg):
 
 
 def _tiny_v4(path, **overrides):
-    """A randomised tiny HF V4 model (V4_TINY with overrides) saved by transformers at `path`, and our import
-    of those files: (hf, cfg, params)."""
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    """A randomised tiny HF V4 model (V4_TINY with overrides: every weight non-trivial, norms around 1, biases that
+    move the routing; `hf_deepseek_v4.build`) saved by transformers at `path`, and our import of those files:
+    (hf, cfg, params)."""
+    from tests.parity.hf_deepseek_v4 import build  # it reads V4_TINY from this module
 
-    conf = {**V4_TINY, **overrides}
-    torch.manual_seed(0)
-    hf = DeepseekV4ForCausalLM(DeepseekV4Config(**conf)).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # every weight non-trivial: norms around 1, biases that move the routing
-        for name, p in hf.named_parameters():
-            scale, shift = (0.3, 1.0) if "norm" in name else (0.08, 0.0)
-            p.copy_(torch.randn(p.shape, generator=g) * scale + shift)
-        for name, b in hf.named_buffers():
-            if "tid2eid" in name:
-                b.copy_(torch.randint(0, conf["n_routed_experts"], b.shape, generator=g))
-            if "e_score_correction_bias" in name:
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    hf = build(0, **overrides)
     hf.save_pretrained(path)
     cfg, params, _ = converters.read_source(path, progress=False)
     return hf, cfg, jax.tree.map(jnp.asarray, params)
