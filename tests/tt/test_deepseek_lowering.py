@@ -102,6 +102,18 @@ def _check_value(op, key, v):
                 _check_value(op, k, x)
 
 
+
+def check_against_the_wheel(prog):
+    """Every call of a program against the real ttnn wheel's signatures (keywords and config objects, recursively),
+    every tensor's dtype / layout / memory config a ttnn constant, and the program's own rules (check_program)."""
+    for c in prog.calls:
+        api.check_call(c.op, list(c.kwargs), n_positional=len(c.inputs))
+        for k, v in c.kwargs.items():
+            _check_value(c.op, k, v)
+    for s in prog.tensors.values():
+        assert api.has_constant(s.dtype) and api.has_constant(s.layout) and api.has_constant("ttnn." + s.memory)
+    lowering.check_program(prog)
+
 @pytest.mark.parametrize("name", ["v41", "v4"])
 def test_every_call_matches_the_real_ttnn_api(name):
     progs = lowering.lower(_config(name), prefill_len=T, batch=4, max_seq_len=512)
@@ -110,13 +122,7 @@ def test_every_call_matches_the_real_ttnn_api(name):
         assert {"ttnn.sparse_matmul", "ttnn.topk", "ttnn.scatter", "ttnn.concat", "ttnn.softplus"} <= ops
         assert ("ttnn.experimental.paged_update_cache" if prog.mode == "decode" else
                 "ttnn.experimental.paged_fill_cache") in ops
-        for c in prog.calls:
-            api.check_call(c.op, list(c.kwargs), n_positional=len(c.inputs))
-            for k, v in c.kwargs.items():
-                _check_value(c.op, k, v)
-        for s in prog.tensors.values():
-            assert api.has_constant(s.dtype) and api.has_constant(s.layout) and api.has_constant("ttnn." + s.memory)
-        lowering.check_program(prog)
+        check_against_the_wheel(prog)
 
 
 @pytest.mark.parametrize("name", ["v41", "v4"])
