@@ -271,3 +271,44 @@ def stage_compile(S: dict, out: dict, save, attn: str, model_class: str | None =
         dec[str(B)] = d
         r["decode"] = dec
         save()
+
+
+# ------------------------------------------------------------------------------- serving peer (continuous batching)
+def generate_batch(model, prompts: list[list[int]], new: int, max_num_seqs: int, budget: int,
+                   block_size: int = 256) -> dict:
+    """transformers' continuous batching on `prompts` (`model.generate_batch`: its paged cache, scheduler and CUDA
+    graphs where it decides), greedy, exactly `new` tokens each (no EOS), all arriving at once, at most
+    `max_num_seqs` requests and `budget` tokens per batch (the engine's own limits). A short call on 8 of the prompts
+    warms it up first (untimed). Output tok/s over the span from the first request's start to the last one's finish;
+    TTFT (from that start) and inter-token latency from its per-token timestamps."""
+    import numpy as np
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(block_size=block_size, max_batch_tokens=budget, max_requests_per_batch=max_num_seqs)
+    t0 = time.perf_counter()
+    model.generate_batch(inputs=prompts[:8], generation_config=GenerationConfig(
+        max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0), continuous_batching_config=cb)
+    warm = time.perf_counter() - t0
+    cb = ContinuousBatchingConfig(block_size=block_size, max_batch_tokens=budget, max_requests_per_batch=max_num_seqs)
+    t0 = time.perf_counter()
+    outs = list(model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
+                                     record_timestamps=True).values())
+    wall = time.perf_counter() - t0
+    errors = [o.error for o in outs if o.error is not None]
+    tokens = sum(len(o.generated_tokens) for o in outs)
+    start, finish = min(o.lifespan[0] for o in outs), max(o.lifespan[1] for o in outs)
+    ttft = np.array([o.timestamps[0] - start for o in outs if o.timestamps])
+    itl = np.concatenate([np.diff(o.timestamps) for o in outs if o.timestamps and len(o.timestamps) > 1])
+    r = {"requests": len(prompts), "finished": len(outs), "errors": errors[:3], "output_tokens": tokens,
+         "expected_tokens": len(prompts) * new, "warmup_s": round(warm, 1), "wall_s": round(wall, 2),
+         "span_s": round(finish - start, 2), "output_tok_s": round(tokens / (finish - start), 1),
+         "output_tok_s_wall": round(tokens / wall, 1),
+         "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3), "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3),
+         "itl_p50_ms": round(1e3 * float(np.percentile(itl, 50)), 2),
+         "itl_p99_ms": round(1e3 * float(np.percentile(itl, 99)), 2),
+         "config": {"block_size": block_size, "max_batch_tokens": budget, "max_requests_per_batch": max_num_seqs,
+                    "num_blocks": "auto (max_memory_percent default)", "attn": model.config._attn_implementation}}
+    log(f"[hf] generate_batch {len(prompts)} x {len(prompts[0])} -> {new}: {r}")
+    return r

@@ -1,13 +1,15 @@
 """Offline serving throughput and latency through the engine (`serving.Engine`, as `LLM` and the server drive it),
 random weights at real shapes. Each stage runs in its own process.
 
-    python3 benchmarks/serving_bench.py --out $OUT [--stages tiny,gpt_oss,llama] [--requests 128]
-        [--prompt 1024] [--new 1024] [--max-num-seqs 64] [--budget 2048] [--no-prefix-caching]
+    python3 benchmarks/serving_bench.py --out $OUT [--stages tiny,gpt_oss,llama,hf_gpt_oss,hf_llama]
+        [--requests 128] [--prompt 1024] [--new 1024] [--max-num-seqs 64] [--budget 2048] [--no-prefix-caching]
         [--no-async-scheduling]
 
 Reports output tok/s (prefill included: all requests arrive at t=0), TTFT and inter-token latency p50/p99, steps,
 compiled shapes, the first-step (compile) time separately, and the engine's host time per step (step() outside the
 wait for the device's tokens; with async scheduling, the default, it overlaps the device step).
+The `hf_*` stages run the same workload (same shape, random bf16 weights, same request count, lengths, concurrency
+and token budget) through transformers' continuous batching, `model.generate_batch` (hf_peer.generate_batch).
 """
 import argparse
 import json
@@ -19,7 +21,31 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def hf_child(a):
+    """The peer: the same workload through transformers' generate_batch."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import hf_peer
+    from benchmarks.bench_dense import LLAMA31_8B
+    from benchmarks.bench_moe import GPT_OSS_20B
+
+    name = a.child
+    hf, attn = (GPT_OSS_20B, "eager") if name == "hf_gpt_oss" else (LLAMA31_8B, "sdpa")  # GPT-OSS: no sdpa path
+    model, dev, info = hf_peer.build(hf, attn)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, hf["vocab_size"], a.prompt).tolist() for _ in range(a.requests)]
+    res = {"stage": name, "versions": hf_peer.versions(), **info, "prompt": a.prompt, "new": a.new,
+           "max_num_seqs": a.max_num_seqs, "budget": a.budget}
+    res |= hf_peer.generate_batch(model, prompts, a.new, a.max_num_seqs, a.budget)
+    print(json.dumps(res), flush=True)
+    with open(os.path.join(a.out, f"serving_{name}_{a.requests}r{a.max_num_seqs}s.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def child(a):
+    if a.child.startswith("hf_"):
+        return hf_child(a)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -93,7 +119,7 @@ def child(a):
     assert tokens == a.requests * a.new, tokens
     print(json.dumps(res), flush=True)
     tag = ("_nopc" if a.no_prefix_caching else "") + ("_sync" if a.no_async_scheduling else "")
-    with open(os.path.join(a.out, f"serving_{name}{tag}.json"), "w") as f:
+    with open(os.path.join(a.out, f"serving_{name}_{a.requests}r{a.max_num_seqs}s{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 
