@@ -62,6 +62,11 @@ def attend(q, k, v, allowed, *, scale: float, softcap: float | None = None, sink
     return o.reshape(b, tq, h, d).astype(q.dtype)
 
 
+def _fused(q) -> bool:
+    """cuDNN's fused kernel runs this query: on a GPU, for half types only."""
+    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+
+
 def causal(q, k, v, *, scale: float, window: int | None = None, sinks=None):
     """Causal (optionally sliding-window) attention of a whole sequence with itself through
     `jax.nn.dot_product_attention`: cuDNN's fused kernel on GPU for bf16/fp16, XLA elsewhere.
@@ -70,10 +75,10 @@ def causal(q, k, v, *, scale: float, window: int | None = None, sinks=None):
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":  # no f16 x f16 -> f32 dot there (einsum_f32)
         f = lambda t: None if t is None else t.astype(F32)  # noqa: E731
         return causal(f(q), f(k), f(v), scale=scale, window=window, sinks=f(sinks)).astype(q.dtype)
-    fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)  # cuDNN: half types only
+    fused = _fused(q)
     if sinks is not None:
         if fused:
-            return _fused_sinks(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), sinks, scale, window)
+            return _fused_sinks(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), sinks, None, scale, window)
         pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
         return attend(q, k, v, mask(pos, pos, window), scale=scale, sinks=sinks)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -82,44 +87,61 @@ def causal(q, k, v, *, scale: float, window: int | None = None, sinks=None):
                                         implementation="cudnn" if fused else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_sinks(q, k, v, sinks, scale, window):
-    """Causal attention with sinks from cuDNN, k/v [B, T, K, d]. A sink adds exp(sink) to the softmax denominator
-    and nothing to the numerator, so the output is cuDNN's times sigmoid(lse - sink), exactly. Gradients recompute
-    `attend` (cuDNN's backward ignores the log-sum-exp's cotangent)."""
+def masked(q, k, v, allowed, *, scale: float, softcap: float | None = None, sinks=None):
+    """`attend` (same arguments, same semantics) through cuDNN's fused kernel on GPU for half types without
+    softcap: the fp32 [Tq, Tk] scores never reach HBM, only the mask does (as a [B, 1, Tq, Tk] bias). The engine's
+    chunks (`extend`: a chunk over its row's whole cache) and Gemma3's image prefill take it; `attend` elsewhere."""
+    if softcap is not None or not _fused(q):
+        return attend(q, k, v, allowed, scale=scale, softcap=softcap, sinks=sinks)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if sinks is not None:
+        return _fused_sinks(q, k, v, sinks, allowed, scale, None)
+    return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], scale=scale, implementation="cudnn")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fused_sinks(q, k, v, sinks, allowed, scale, window):
+    """Attention with sinks from cuDNN, k/v [B, T, K, d]: causal (with the window) when `allowed` is None, else the
+    keys `allowed` [B, Tq, Tk] names. A sink adds exp(sink) to the softmax denominator and nothing to the
+    numerator, so the output is cuDNN's times sigmoid(lse - sink), exactly. Gradients recompute `attend` (cuDNN's
+    backward ignores the log-sum-exp's cotangent)."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention  # fp32 [B, H, T] lse
 
-    o, lse = dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL, sliding_window_length=window,
-                                   return_residual=True)
+    if allowed is None:
+        o, lse = dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL,
+                                       sliding_window_length=window, return_residual=True)
+    else:
+        o, lse = dot_product_attention(q, k, v, mask=allowed[:, None], scale=scale, return_residual=True)
     gate = jax.nn.sigmoid(lse.astype(F32) - sinks.astype(F32)[None, :, None]).transpose(0, 2, 1)
     return (o.astype(F32) * gate[..., None]).astype(q.dtype)
 
 
-def _sinks_reference(q, k, v, sinks, scale, window):
-    pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-    return attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask(pos, pos, window), scale=scale,
-                  sinks=sinks)
+def _sinks_reference(q, k, v, sinks, allowed, scale, window):
+    if allowed is None:
+        pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+        allowed = mask(pos, pos, window)
+    return attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed, scale=scale, sinks=sinks)
 
 
 def _fused_sinks_bwd(scale, window, res, g):
-    return jax.vjp(lambda *a: _sinks_reference(*a, scale, window), *res)[1](g)
+    *diff, allowed = res
+    return (*jax.vjp(lambda *a: _sinks_reference(*a, allowed, scale, window), *diff)[1](g), None)
 
 
-_fused_sinks.defvjp(lambda q, k, v, sinks, scale, window: (_fused_sinks(q, k, v, sinks, scale, window),
-                                                           (q, k, v, sinks)), _fused_sinks_bwd)
+_fused_sinks.defvjp(lambda q, k, v, sinks, allowed, scale, window: (
+    _fused_sinks(q, k, v, sinks, allowed, scale, window), (q, k, v, sinks, allowed)), _fused_sinks_bwd)
 
 
 def unordered(q, k, v, allowed=None, *, scale: float):
     """Attention without causal order (the vision towers): q [B, T, H, d], k/v [B, K, S, d], allowed [B, T, S]
     (None: every key) -> [B, T, H, d]. On GPU for half types cuDNN's fused kernel, whose score matrix never
     reaches HBM (an H200 SigLIP tower ran at 0.4x HF's sdpa with `attend`'s fp32 scores); `attend` elsewhere."""
-    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-        mask = None if allowed is None else allowed[:, None]
-        return jax.nn.dot_product_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask,
-                                            scale=scale, implementation="cudnn")
     if allowed is None:
+        if _fused(q):
+            return jax.nn.dot_product_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), scale=scale,
+                                                implementation="cudnn")
         allowed = jnp.ones((q.shape[0], q.shape[1], k.shape[2]), bool)
-    return attend(q, k, v, allowed, scale=scale)
+    return masked(q, k, v, allowed, scale=scale)
 
 
 def decode(q, cache, last, *, window, scale: float, softcap=None, sinks=None, sharded: bool = False):
@@ -185,7 +207,7 @@ def gqa(cfg, a, p, h, ctx, cache):
         k_valid = jnp.concatenate([c_pos >= 0, jnp.arange(pos.shape[1]) < lengths[:, None]], axis=1)
         blocks = ctx.get("blocks")  # an image within this chunk (the cache holds no block of it)
         k_blocks = None if blocks is None else jnp.concatenate([jnp.full(c_pos.shape, -1, jnp.int32), blocks], 1)
-        o = attend(q, keys, values, mask(pos, k_pos, a.window, k_valid=k_valid, blocks=blocks, k_blocks=k_blocks),
+        o = masked(q, keys, values, mask(pos, k_pos, a.window, k_valid=k_valid, blocks=blocks, k_blocks=k_blocks),
                    scale=scale, softcap=a.softcap, sinks=p.get("sinks"))
         cache.write("k", k, lengths, start)
         cache.write("v", v, lengths, start)
@@ -194,7 +216,7 @@ def gqa(cfg, a, p, h, ctx, cache):
             cache.write("k", k, ctx["lengths"])
             cache.write("v", v, ctx["lengths"])
         if ctx.get("blocks") is not None:  # Gemma3 images: a token also sees later tokens of its own image
-            o = attend(q, k, v, mask(pos, pos, a.window, blocks=ctx["blocks"]), scale=scale, softcap=a.softcap,
+            o = masked(q, k, v, mask(pos, pos, a.window, blocks=ctx["blocks"]), scale=scale, softcap=a.softcap,
                        sinks=p.get("sinks"))
         elif a.softcap is None:  # the whole sequence: the library's fused path
             o = causal(q, k, v, scale=scale, window=a.window, sinks=p.get("sinks"))

@@ -79,6 +79,40 @@ def test_causal_with_sinks_equals_attend(window):
         _close(a, b, 2e-2)
 
 
+@pytest.mark.parametrize("window,sinks", [(None, False), (None, True), (128, True), (64, False)])
+def test_masked_equals_attend_on_an_extend_step(window, sinks):
+    """The engine's chunk: each row's queries over its cache (empty slots marked -1) and its chunk, padded rows and
+    padded queries seeing nothing. `masked` (cuDNN) equals `attend` on every query that sees a key and stays finite
+    on the rest; with sinks, its gradients equal `attend`'s too."""
+    B, T, S, H, K, d = 3, 48, 200, 8, 2, 64
+    kq, kk, kv, ks, kg = jax.random.split(jax.random.key(2), 5)
+    q = jax.random.normal(kq, (B, T, H, d), BF16)
+    k, v = (jax.random.normal(t, (B, K, S + T, d), BF16) for t in (kk, kv))
+    sink = (jax.random.normal(ks, (H,)) * 2).astype(BF16) if sinks else None
+    starts, lengths = jnp.array([0, 150, 37]), jnp.array([48, 20, 0])  # the last row is padding
+    c_pos = jnp.where(jnp.arange(S)[None] < starts[:, None], jnp.arange(S)[None], -1)
+    pos = starts[:, None] + jnp.arange(T)[None]
+    k_valid = jnp.concatenate([c_pos >= 0, jnp.arange(T)[None] < lengths[:, None]], axis=1)
+    allowed = attention.mask(pos, jnp.concatenate([c_pos, pos], 1), window, k_valid=k_valid)
+    scale = d ** -0.5
+
+    def ref(q, k, v, s):
+        return attention.attend(q.astype(F), k.astype(F), v.astype(F), allowed, scale=scale, sinks=s)
+
+    fused = lambda q, k, v, s: attention.masked(q, k, v, allowed, scale=scale, sinks=s)  # noqa: E731
+    got, want = jax.jit(fused)(q, k, v, sink), jax.jit(ref)(q, k, v, sink)
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    seen = np.asarray(allowed.any(-1))
+    _close(np.asarray(got, np.float32)[seen], np.asarray(want)[seen], 1e-2)
+    if sinks:
+        g = jax.random.normal(kg, (B, T, H, d), F) * seen[..., None, None]
+        loss = lambda f: lambda *a: jnp.vdot(f(*a).astype(F), g)  # noqa: E731
+        grads = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2, 3)))(q, k, v, sink)
+        wants = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(q, k, v, sink)
+        for a, b in zip(grads, wants):
+            _close(a, b, 2e-2)
+
+
 @pytest.mark.parametrize("H,K,d,window,block_size,sinks", [(32, 8, 128, None, 0, False), (64, 8, 64, 128, 0, True),
                                                            (32, 8, 128, None, 16, False), (8, 4, 256, 512, 16, False)])
 def test_decode_kernel_equals_reference(H, K, d, window, block_size, sinks):

@@ -191,9 +191,25 @@ def test_compiled_shapes_stay_bounded():
     rng = np.random.default_rng(5)
     prompts = [list(map(int, rng.integers(0, model.config.vocab_size, n))) for n in rng.integers(1, 60, 24)]
     _run(engine, prompts, GREEDY)
-    # 4 rows (the minimum bucket of 8, capped at max_num_seqs) x chunks of 16, 32 or 64 tokens, and decode
-    assert {(how, P, T) for how, P, T, *_ in engine.runner.shapes} <= {("extend", 4, 16), ("extend", 4, 32),
-                                                                       ("extend", 4, 64), ("decode", 4, 1)}, engine.runner.shapes
+    # chunks: 1, 2 or 4 rows (`row_groups`: powers of two up to max_num_seqs) x 16, 32 or 64 tokens; decode: 4 rows
+    # (the minimum bucket of 8, capped at max_num_seqs)
+    bound = {("extend", P, T) for P in (1, 2, 4) for T in (16, 32, 64)} | {("decode", 4, 1)}
+    assert {(how, P, T) for how, P, T, *_ in engine.runner.shapes} <= bound, engine.runner.shapes
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 18, 31])
+def test_row_groups_launch_every_piece_once_in_power_of_two_rows(n):
+    from serving.runner import row_groups
+
+    rng = np.random.default_rng(n)
+    pieces = [(f"r{i}", 0, int(k)) for i, k in enumerate(rng.integers(1, 200, n))]
+    groups = row_groups(pieces)
+    assert sorted(p for g in groups for p in g) == sorted(pieces)
+    assert all(len(g) & (len(g) - 1) == 0 for g in groups)  # no launch pads its rows
+    assert [len(g) for g in groups] == sorted((len(g) for g in groups), reverse=True)
+    assert len(groups) == bin(n).count("1")
+    lengths = [p[2] for g in groups for p in g]
+    assert lengths == sorted(lengths, reverse=True)  # a launch's chunks are alike in length: little padding
 
 
 def test_a_pool_of_one_sequence_never_stalls_on_copy_on_write():
