@@ -1,6 +1,7 @@
 """The GPU kernels against the pure-JAX paths they replace (run on the GPU machine; skipped elsewhere).
 
-    python -m pytest tests/gpu -q      # on a machine with a Hopper GPU
+    JAX_PLATFORMS=cuda python -m pytest tests/gpu -q      # on a machine with a Hopper GPU (tests/conftest.py
+                                                          # defaults JAX_PLATFORMS to the CPU)
 """
 import dataclasses
 
@@ -12,7 +13,8 @@ import pytest
 from jaxmodels.layers import attention, grouped
 
 BF16, F = jnp.bfloat16, jnp.float32
-pytestmark = pytest.mark.skipif(not grouped._hopper(), reason="needs a Hopper GPU (the Mosaic GPU kernels)")
+pytestmark = pytest.mark.skipif(not grouped._hopper(),
+                                reason="needs a Hopper GPU (the Mosaic GPU kernels) and JAX_PLATFORMS=cuda")
 
 
 def _sizes(rng, G, M, rows):
