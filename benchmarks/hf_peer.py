@@ -290,7 +290,7 @@ def generate_batch(model, prompts: list[list[int]], new: int, max_num_seqs: int,
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     # Its default cache takes most of the card and leaves eager attention too little (OOM at 64 x 1024 on 5.17):
     # blocks for every row's whole sequence, as the engine's pool, plus one block a row of slack.
-    blocks = max_num_seqs * (-(-(len(prompts[0]) + new) // block_size) + 1)
+    blocks = max_num_seqs * (-(-(max(map(len, prompts)) + new) // block_size) + 1)
     known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     for name in ("block_size", "num_blocks"):
         if name not in known:

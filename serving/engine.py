@@ -313,7 +313,7 @@ class Engine:
         table, out = self.pool.table, []
         # Mllama: rows with images run apart (in a batch, a row without images would attend to the others' padding)
         for part in ([p for p in chunks if p[0].cross is None], [p for p in chunks if p[0].cross is not None]):
-            for rows in R.row_groups(part):
+            for rows in R.row_groups(part, cap=self.runner.rows - 1):
                 out.append(self.runner.run("extend" if self.runner.extend_ok else "prefill", rows, table))
         if decode:
             out.append(self.runner.run("decode", decode, table))

@@ -63,8 +63,18 @@ def attend(q, k, v, allowed, *, scale: float, softcap: float | None = None, sink
 
 
 def _fused(q) -> bool:
-    """cuDNN's fused kernel runs this query: on a GPU, for half types only."""
-    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    """cuDNN's fused kernel runs this query: on a GPU, for half types, a head width that is a multiple of 8 and at
+    most 256 on Hopper or later, 128 before (cuDNN refuses the rest at trace time; `attend` runs those)."""
+    if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    d = q.shape[-1]
+    return d % 8 == 0 and d <= _cudnn_head_dim_limit()
+
+
+@functools.cache
+def _cudnn_head_dim_limit() -> int:
+    major, minor = (int(x) for x in jax.devices("gpu")[0].compute_capability.split("."))
+    return 256 if (major, minor) >= (9, 0) else 128
 
 
 def causal(q, k, v, *, scale: float, window: int | None = None, sinks=None):
@@ -87,11 +97,13 @@ def causal(q, k, v, *, scale: float, window: int | None = None, sinks=None):
                                         implementation="cudnn" if fused else None)
 
 
-def masked(q, k, v, allowed, *, scale: float, softcap: float | None = None, sinks=None):
+def masked(q, k, v, allowed, *, scale: float, softcap: float | None = None, sinks=None, sharded: bool = False):
     """`attend` (same arguments, same semantics) through cuDNN's fused kernel on GPU for half types without
     softcap: the fp32 [Tq, Tk] scores never reach HBM, only the mask does (as a [B, 1, Tq, Tk] bias). The engine's
-    chunks (`extend`: a chunk over its row's whole cache) and Gemma3's image prefill take it; `attend` elsewhere."""
-    if softcap is not None or not _fused(q):
+    chunks (`extend`: a chunk over its row's whole cache) and Gemma3's image prefill take it; `attend` elsewhere,
+    and on a mesh (sharded), where the chunk's keys (sharded) meet the cache's (laid out by the cache) and no GPU
+    test has yet shown the kernel's partitioning right."""
+    if softcap is not None or sharded or not _fused(q):
         return attend(q, k, v, allowed, scale=scale, softcap=softcap, sinks=sinks)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if sinks is not None:
@@ -208,7 +220,7 @@ def gqa(cfg, a, p, h, ctx, cache):
         blocks = ctx.get("blocks")  # an image within this chunk (the cache holds no block of it)
         k_blocks = None if blocks is None else jnp.concatenate([jnp.full(c_pos.shape, -1, jnp.int32), blocks], 1)
         o = masked(q, keys, values, mask(pos, k_pos, a.window, k_valid=k_valid, blocks=blocks, k_blocks=k_blocks),
-                   scale=scale, softcap=a.softcap, sinks=p.get("sinks"))
+                   scale=scale, softcap=a.softcap, sinks=p.get("sinks"), sharded=ctx.get("shard") is not None)
         cache.write("k", k, lengths, start)
         cache.write("v", v, lengths, start)
     else:
@@ -217,7 +229,7 @@ def gqa(cfg, a, p, h, ctx, cache):
             cache.write("v", v, ctx["lengths"])
         if ctx.get("blocks") is not None:  # Gemma3 images: a token also sees later tokens of its own image
             o = masked(q, k, v, mask(pos, pos, a.window, blocks=ctx["blocks"]), scale=scale, softcap=a.softcap,
-                       sinks=p.get("sinks"))
+                       sinks=p.get("sinks"), sharded=ctx.get("shard") is not None)
         elif a.softcap is None:  # the whole sequence: the library's fused path
             o = causal(q, k, v, scale=scale, window=a.window, sinks=p.get("sinks"))
         else:

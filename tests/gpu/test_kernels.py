@@ -83,15 +83,16 @@ def test_causal_with_sinks_equals_attend(window):
 
 @pytest.mark.parametrize("window,sinks", [(None, False), (None, True), (128, True), (64, False)])
 def test_masked_equals_attend_on_an_extend_step(window, sinks):
-    """The engine's chunk: each row's queries over its cache (empty slots marked -1) and its chunk, padded rows and
-    padded queries seeing nothing. `masked` (cuDNN) equals `attend` on every query that sees a key and stays finite
-    on the rest; with sinks, its gradients equal `attend`'s too."""
+    """The engine's chunk: each row's queries over its cache (empty slots marked -1) and its chunk, padded queries
+    past a row's chunk, and a padded row seeing nothing. `masked` (cuDNN) equals `attend` on every query that sees a key and stays finite on
+    the rest (the engine drops those); with sinks, its gradients equal `attend`'s too."""
     B, T, S, H, K, d = 3, 48, 200, 8, 2, 64
     kq, kk, kv, ks, kg = jax.random.split(jax.random.key(2), 5)
     q = jax.random.normal(kq, (B, T, H, d), BF16)
     k, v = (jax.random.normal(t, (B, K, S + T, d), BF16) for t in (kk, kv))
     sink = (jax.random.normal(ks, (H,)) * 2).astype(BF16) if sinks else None
-    starts, lengths = jnp.array([0, 150, 37]), jnp.array([48, 20, 0])  # the last row is padding
+    # the last row is padding, as the engine pads: start 0 (every cache slot -1), no tokens: its queries see nothing
+    starts, lengths = jnp.array([0, 150, 0]), jnp.array([48, 20, 0])
     c_pos = jnp.where(jnp.arange(S)[None] < starts[:, None], jnp.arange(S)[None], -1)
     pos = starts[:, None] + jnp.arange(T)[None]
     k_valid = jnp.concatenate([c_pos >= 0, jnp.arange(T)[None] < lengths[:, None]], axis=1)
@@ -105,6 +106,7 @@ def test_masked_equals_attend_on_an_extend_step(window, sinks):
     got, want = jax.jit(fused)(q, k, v, sink), jax.jit(ref)(q, k, v, sink)
     assert np.all(np.isfinite(np.asarray(got, np.float32)))
     seen = np.asarray(allowed.any(-1))
+    assert not seen[2].any() and seen[:2].all()  # the padded row's queries see no key (their output is dropped)
     _close(np.asarray(got, np.float32)[seen], np.asarray(want)[seen], 1e-2)
     if sinks:
         g = jax.random.normal(kg, (B, T, H, d), F) * seen[..., None, None]
@@ -113,6 +115,19 @@ def test_masked_equals_attend_on_an_extend_step(window, sinks):
         wants = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(q, k, v, sink)
         for a, b in zip(grads, wants):
             _close(a, b, 2e-2)
+
+
+@pytest.mark.parametrize("d", [100, 320])
+def test_head_widths_cudnn_refuses_run_in_xla(d):
+    """cuDNN takes head widths that are multiples of 8 up to 256 (Hopper): others go through `attend` instead of
+    failing at trace time (which would also have turned the engine's chunked prefill off)."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 24, 4, d), BF16) for i in range(3))
+    pos = jnp.broadcast_to(jnp.arange(24), (2, 24))
+    allowed = attention.mask(pos, pos, None)
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    want = attention.attend(q, kt, vt, allowed, scale=d ** -0.5)
+    _close(jax.jit(lambda *a: attention.masked(*a, allowed, scale=d ** -0.5))(q, kt, vt), want, 0)
+    _close(jax.jit(lambda *a: attention.causal(*a, scale=d ** -0.5))(q, kt, vt), want, 1e-2)  # XLA's own path
 
 
 @pytest.mark.parametrize("H,K,d,window,block_size,sinks", [(32, 8, 128, None, 0, False), (64, 8, 64, 128, 0, True),

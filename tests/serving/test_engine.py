@@ -190,26 +190,76 @@ def test_compiled_shapes_stay_bounded():
     engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, kv_blocks=160, block_size=4))
     rng = np.random.default_rng(5)
     prompts = [list(map(int, rng.integers(0, model.config.vocab_size, n))) for n in rng.integers(1, 60, 24)]
+    from serving.runner import bucket, chunk_width, row_groups
+
+    steps, run, launch = [], engine.runner.run, engine._launch
+    engine._launch = lambda batch: steps.append([]) or launch(batch)
+    engine.runner.run = lambda how, pieces, table: steps[-1].append((how, list(pieces))) or run(how, pieces, table)
     _run(engine, prompts, GREEDY)
-    # chunks: 1, 2 or 4 rows (`row_groups`: powers of two up to max_num_seqs) x 16, 32 or 64 tokens; decode: 4 rows
-    # (the minimum bucket of 8, capped at max_num_seqs)
+    chunk_shapes, grouped = set(), 0
+    for launches in steps:  # each step's chunks launched as `row_groups` split them, each at its row bucket
+        chunks = [pieces for how, pieces in launches if how == "extend"]
+        assert chunks == row_groups([p for g in chunks for p in g], cap=4)
+        chunk_shapes |= {("extend", bucket(len(g), 1, 4), chunk_width(max(k for *_, k in g))) for g in chunks}
+        grouped += len(chunks) > 1 or any(len(g) > 1 for g in chunks)
+    assert grouped > 3, f"only {grouped} steps launched several chunks: too few to test the grouping"
+    shapes = {(how, P, T) for how, P, T, *_ in engine.runner.shapes}
+    assert {s for s in shapes if s[0] == "extend"} == chunk_shapes
+    # chunks: 1, 2 or 4 rows (at most max_num_seqs) x 16, 32 or 64 tokens; decode: 4 rows (the minimum bucket of 8,
+    # capped at max_num_seqs)
     bound = {("extend", P, T) for P in (1, 2, 4) for T in (16, 32, 64)} | {("decode", 4, 1)}
-    assert {(how, P, T) for how, P, T, *_ in engine.runner.shapes} <= bound, engine.runner.shapes
+    assert shapes <= bound, shapes
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 18, 31])
-def test_row_groups_launch_every_piece_once_in_power_of_two_rows(n):
-    from serving.runner import row_groups
+def _partitions(items):
+    """Every set partition of items (Bell(n) of them)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first]] + part
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+
+
+@pytest.mark.parametrize("n,cap", [(1, None), (2, None), (3, None), (5, 4), (6, None), (7, 6)])
+def test_row_groups_find_the_cheapest_launches_of_all_groupings(n, cap):
+    """Against every way to split the chunks into launches (not just runs of the sorted order)."""
+    from serving.runner import launch_cost, row_groups
+
+    for seed in range(4):
+        rng = np.random.default_rng(100 * n + seed)
+        pieces = [(f"r{i}", 0, int(k)) for i, k in enumerate(rng.integers(1, 600, n))]
+        groups = row_groups(pieces, cap)
+        assert sorted(p for g in groups for p in g) == sorted(pieces)
+        best = min(sum(launch_cost(g, cap) for g in part) for part in _partitions(pieces))
+        assert sum(launch_cost(g, cap) for g in groups) == best
+
+
+@pytest.mark.parametrize("n", [8, 18, 31, 64, 200])
+def test_row_groups_launch_every_piece_once_never_worse_than_power_of_two_runs(n):
+    from serving.runner import launch_cost, row_groups
 
     rng = np.random.default_rng(n)
-    pieces = [(f"r{i}", 0, int(k)) for i, k in enumerate(rng.integers(1, 200, n))]
+    pieces = [(f"r{i}", 0, int(k)) for i, k in enumerate(rng.integers(1, 2048, n))]
     groups = row_groups(pieces)
     assert sorted(p for g in groups for p in g) == sorted(pieces)
-    assert all(len(g) & (len(g) - 1) == 0 for g in groups)  # no launch pads its rows
-    assert [len(g) for g in groups] == sorted((len(g) for g in groups), reverse=True)
-    assert len(groups) == bin(n).count("1")
     lengths = [p[2] for g in groups for p in g]
-    assert lengths == sorted(lengths, reverse=True)  # a launch's chunks are alike in length: little padding
+    assert lengths == sorted(lengths, reverse=True)  # a launch's chunks are alike in length
+    ordered, runs, i = sorted(pieces, key=lambda p: -p[2]), [], 0
+    while i < n:  # the split it replaced: the largest power of two left, longest first
+        runs.append(ordered[i:i + (1 << (n - i).bit_length() - 1)])
+        i += len(runs[-1])
+    assert sum(map(launch_cost, groups)) <= sum(map(launch_cost, runs))
+
+
+def test_row_groups_keep_a_long_chunk_apart_from_short_ones():
+    from serving.runner import row_groups
+
+    pieces = [("a", 0, 1900), ("b", 0, 100), ("c", 0, 48)]
+    assert [[p[2] for p in g] for g in row_groups(pieces)] == [[1900], [100, 48]]
+    assert [len(g) for g in row_groups([(str(i), 0, 100) for i in range(18)])] == [16, 2]
 
 
 def test_a_pool_of_one_sequence_never_stalls_on_copy_on_write():

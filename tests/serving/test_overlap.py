@@ -119,7 +119,7 @@ def test_the_overlap_gives_the_same_tokens(name, block, opts):
 def test_the_next_step_is_dispatched_before_the_tokens_are_read(monkeypatch):
     """With the overlap, each step's tokens are read after the next step is dispatched (the host works while the
     device runs); without it, right after. Only the token ids come back when nobody asks for logprobs. (A step may
-    dispatch several launches, `row_groups`: a fetch counts as overlapped when a later step's launch preceded it.)"""
+    dispatch several launches, `row_groups`: each of its fetches must come after a launch of the next step.)"""
     model = _model("llama")
     events, step_of = [], {}
     run, fetch, launch = R.Runner.run, R.Launched.fetch, Engine._launch
@@ -153,13 +153,17 @@ def test_the_next_step_is_dispatched_before_the_tokens_are_read(monkeypatch):
         engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=32, kv_blocks=32, block_size=4,
                                             async_scheduling=overlap))
         _drive(engine, [(str(i), p, greedy) for i, p in enumerate(prompts)])
-        overlapped = set()
+        late = {}  # step -> for each of its fetches, whether a later step was dispatched before it
         for j, (kind, x) in enumerate(events):
-            if kind == "fetch" and any(step_of[id(y)] > step_of[id(x)] for k, y in events[:j] if k == "run"):
-                overlapped.add(step_of[id(x)])  # a later step was dispatched before this one's tokens were read
-        steps = {step_of[id(x)] for kind, x in events if kind == "fetch"}
-        assert len(steps) >= 8 and steps == set(step_of.values())
-        assert overlapped == (steps - {max(steps)} if overlap else set()), events
+            if kind == "fetch":
+                s = step_of[id(x)]
+                late.setdefault(s, []).append(any(step_of[id(y)] > s for k, y in events[:j] if k == "run"))
+        assert len(late) >= 8 and set(late) == set(step_of.values())
+        last = max(late)
+        if overlap:  # every fetch but the last step's waits until the next step is on its way
+            assert all(all(v) for s, v in late.items() if s != last) and not any(late[last]), late
+        else:
+            assert not any(any(v) for v in late.values()), late
 
 
 def test_a_waiting_request_is_looked_up_once_per_admission(monkeypatch):
