@@ -260,8 +260,8 @@ def launch_cost(pieces, cap: int | None = None) -> int:
 
 def row_groups(pieces, cap: int | None = None) -> list[list]:
     """Chunk pieces [(request, start, n)] as launches of the least total `launch_cost`: padded rows and tokens
-    against launches. Chunks of 1900, 100 and 48 tokens run as [1900] + [100, 48] (2048 + 2 x 128 rows x tokens
-    and two launches), not as one launch of 4 x 2048; 18 alike chunks as 16 + 2 rows, not 32.
+    against launches. Chunks of 1900, 100 and 48 tokens run as [1900] + [100, 48] (1 x 2048 + 2 x 128 tokens in two
+    launches), not as one launch of 4 x 2048 rows x tokens; 18 alike chunks as 16 + 2 rows, not 32.
 
     Longest first, a launch takes the next pieces in that order (its width is its first piece's, so a cheaper
     split of the same pieces is never interleaved), and for a row bucket B the most pieces it holds (the rest only
@@ -271,8 +271,8 @@ def row_groups(pieces, cap: int | None = None) -> list[list]:
     best = [(0, n)] * (n + 1)  # best[j]: the least cost of pieces j.., and where its first launch ends
     for j in range(n - 1, -1, -1):
         ends = sorted({min(j + (1 << b), n) for b in range((n - j).bit_length() + 1)})
-        best[j] = min((launch_cost(pieces[j:e], cap) + best[e][0], -e) for e in ends)  # ties: fewer launches
-        best[j] = (best[j][0], -best[j][1])
+        cost, end = min((launch_cost(pieces[j:e], cap) + best[e][0], -e) for e in ends)  # ties: fewer launches
+        best[j] = (cost, -end)
     groups, j = [], 0
     while j < n:
         groups.append(pieces[j:best[j][1]])

@@ -63,8 +63,9 @@ def attend(q, k, v, allowed, *, scale: float, softcap: float | None = None, sink
 
 
 def _fused(q) -> bool:
-    """cuDNN's fused kernel runs this query: on a GPU, for half types, a head width that is a multiple of 8 and at
-    most 256 on Hopper or later, 128 before (cuDNN refuses the rest at trace time; `attend` runs those)."""
+    """cuDNN's fused kernel runs this query: on a GPU from Ampere on, for half types, a head width that is a
+    multiple of 8 and at most 256 on Hopper or later, 128 on Ampere (cuDNN refuses the rest at trace time;
+    `attend` runs those)."""
     if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
         return False
     d = q.shape[-1]
@@ -74,7 +75,7 @@ def _fused(q) -> bool:
 @functools.cache
 def _cudnn_head_dim_limit() -> int:
     major, minor = (int(x) for x in jax.devices("gpu")[0].compute_capability.split("."))
-    return 256 if (major, minor) >= (9, 0) else 128
+    return 256 if (major, minor) >= (9, 0) else 128 if major >= 8 else 0  # no fused kernel before Ampere
 
 
 def causal(q, k, v, *, scale: float, window: int | None = None, sinks=None):
