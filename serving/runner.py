@@ -270,7 +270,8 @@ def row_groups(pieces, cap: int | None = None) -> list[list]:
     n = len(pieces)
     best = [(0, n)] * (n + 1)  # best[j]: the least cost of pieces j.., and where its first launch ends
     for j in range(n - 1, -1, -1):
-        ends = sorted({min(j + (1 << b), n) for b in range((n - j).bit_length() + 1)})
+        sizes = {1 << b for b in range((n - j).bit_length() + 1)}
+        ends = sorted({j + min(size, cap or size, n - j) for size in sizes})  # a launch holds at most cap rows
         cost, end = min((launch_cost(pieces[j:e], cap) + best[e][0], -e) for e in ends)  # ties: fewer launches
         best[j] = (cost, -end)
     groups, j = [], 0

@@ -74,8 +74,19 @@ def _fused(q) -> bool:
 
 @functools.cache
 def _cudnn_head_dim_limit() -> int:
-    major, minor = (int(x) for x in jax.devices("gpu")[0].compute_capability.split("."))
-    return 256 if (major, minor) >= (9, 0) else 128 if major >= 8 else 0  # no fused kernel before Ampere
+    """0 where cuDNN has no fused kernel: before Ampere, or a GPU that is not CUDA's (ROCm)."""
+    device = jax.local_devices(backend="gpu")[0]
+    try:
+        major, minor = (int(x) for x in device.compute_capability.split("."))
+    except (AttributeError, ValueError):  # ROCm names its GPUs "gfx90a", ...
+        return 0
+    return 256 if (major, minor) >= (9, 0) else 128 if major >= 8 else 0
+
+
+def _on_mesh(ctx) -> bool:
+    """The layer runs sharded over more than one device (a one-device mesh keeps the fused kernels)."""
+    shard = ctx.get("shard")
+    return shard is not None and shard.mesh.size > 1
 
 
 def causal(q, k, v, *, scale: float, window: int | None = None, sinks=None):
@@ -209,7 +220,7 @@ def gqa(cfg, a, p, h, ctx, cache):
         cache.write_token("k", k[:, :, 0], pos[:, 0])
         cache.write_token("v", v[:, :, 0], pos[:, 0])
         o = decode(q, cache, pos[:, 0], window=a.window, scale=scale, softcap=a.softcap, sinks=p.get("sinks"),
-                   sharded=ctx.get("shard") is not None)
+                   sharded=_on_mesh(ctx))
     elif ctx["mode"] == "extend":  # a chunk after the start[b] positions the cache holds
         start, lengths = ctx["start"], ctx["lengths"]
         # the cache as it was (a ring may drop keys of this chunk's first queries when the chunk is written) + the chunk
@@ -221,7 +232,7 @@ def gqa(cfg, a, p, h, ctx, cache):
         blocks = ctx.get("blocks")  # an image within this chunk (the cache holds no block of it)
         k_blocks = None if blocks is None else jnp.concatenate([jnp.full(c_pos.shape, -1, jnp.int32), blocks], 1)
         o = masked(q, keys, values, mask(pos, k_pos, a.window, k_valid=k_valid, blocks=blocks, k_blocks=k_blocks),
-                   scale=scale, softcap=a.softcap, sinks=p.get("sinks"), sharded=ctx.get("shard") is not None)
+                   scale=scale, softcap=a.softcap, sinks=p.get("sinks"), sharded=_on_mesh(ctx))
         cache.write("k", k, lengths, start)
         cache.write("v", v, lengths, start)
     else:
@@ -230,7 +241,7 @@ def gqa(cfg, a, p, h, ctx, cache):
             cache.write("v", v, ctx["lengths"])
         if ctx.get("blocks") is not None:  # Gemma3 images: a token also sees later tokens of its own image
             o = masked(q, k, v, mask(pos, pos, a.window, blocks=ctx["blocks"]), scale=scale, softcap=a.softcap,
-                       sinks=p.get("sinks"), sharded=ctx.get("shard") is not None)
+                       sinks=p.get("sinks"), sharded=_on_mesh(ctx))
         elif a.softcap is None:  # the whole sequence: the library's fused path
             o = causal(q, k, v, scale=scale, window=a.window, sinks=p.get("sinks"))
         else:

@@ -60,9 +60,11 @@ CASES = [  # (family, block size, engine options)
     ("gemma3", 3, {}),  # window 6: rings of 2 blocks wrap, and copy-on-write
     ("gemma3", 3, {"enable_chunked_prefill": False}),
     ("gpt_oss", 2, {"max_num_batched_tokens": 7}),  # sinks; sliding and full layers share one pool
+    ("gpt_oss", 2, {"max_num_batched_tokens": 21}),  # 3 chunks in a launch of 4 rows: a padded row of length 0
     ("deepseek_v4", 4, {}),  # compressed + indexer + window groups; no prefix caching (per-sequence state)
     # chunks of at most 5 tokens where M.extend runs DeepSeek (whole prompts where it does not); off; preemption
     ("deepseek_v4", 4, {"max_num_batched_tokens": 5}),
+    ("deepseek_v4", 4, {"max_num_batched_tokens": 48}),  # a padded row of length 0 beside rows with state
     ("deepseek_v4", 4, {"enable_chunked_prefill": False}),
     ("deepseek_v4", 4, {"kv_blocks": 16}),
 ]
@@ -223,17 +225,20 @@ def _partitions(items):
             yield part[:i] + [[first] + part[i]] + part[i + 1:]
 
 
-@pytest.mark.parametrize("n,cap", [(1, None), (2, None), (3, None), (5, 4), (6, None), (7, 6)])
+@pytest.mark.parametrize("n,cap", [(1, None), (2, None), (3, None), (5, 4), (6, None), (6, 6), (7, 6), (7, 3)])
 def test_row_groups_find_the_cheapest_launches_of_all_groupings(n, cap):
-    """Against every way to split the chunks into launches (not just runs of the sorted order)."""
+    """Against every way to split the chunks into launches of at most cap rows (not just runs of the sorted
+    order); cap need not be a power of two, and may be below the chunk count."""
     from serving.runner import launch_cost, row_groups
 
-    for seed in range(4):
+    for seed in range(12):
         rng = np.random.default_rng(100 * n + seed)
         pieces = [(f"r{i}", 0, int(k)) for i, k in enumerate(rng.integers(1, 600, n))]
         groups = row_groups(pieces, cap)
         assert sorted(p for g in groups for p in g) == sorted(pieces)
-        best = min(sum(launch_cost(g, cap) for g in part) for part in _partitions(pieces))
+        assert all(len(g) <= (cap or n) for g in groups)
+        best = min(sum(launch_cost(g, cap) for g in part) for part in _partitions(pieces)
+                   if all(len(g) <= (cap or n) for g in part))
         assert sum(launch_cost(g, cap) for g in groups) == best
 
 
