@@ -1,6 +1,7 @@
 """Conversion and loading at checkpoint scale (issue #18), on the host: a bf16 Llama-shaped safetensors checkpoint
 (1.32 GB, 3 shards, largest tensor 131 MB) converted and loaded, each operation in a fresh process whose peak RSS
-comes from wait4(); next to transformers' from_pretrained and the files' read rate (cat; dd with O_DIRECT).
+comes from wait4(), each starting with the files evicted from the page cache (read from the disk); next to
+transformers' from_pretrained and the files' read rate (cat cold and cached; dd with O_DIRECT).
 
     python benchmarks/bench_convert.py [--old /tmp/oldrepo] [--ckpt /tmp/bench_convert/src] [--json out.json]
 
@@ -91,16 +92,33 @@ def run(code: str, src: Path, out: Path, code_root: Path) -> dict:
     return {"s": t, "process_s": wall, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9}
 
 
+def evict(*roots: Path) -> None:
+    """Every file under roots out of the page cache (written back first): each operation reads from the disk, as
+    a checkpoint too large for RAM would, whatever ran before it."""
+    for root in roots:
+        for f in [root] if root.is_file() else (p for p in root.rglob("*") if p.is_file()):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def read_rates(src: Path) -> dict:
     files = sorted(str(f) for f in src.glob("*.safetensors"))
     size = sum(os.path.getsize(f) for f in files)
+    evict(src)
+    t = time.time()
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    cold = size / (time.time() - t) / 1e9
     t = time.time()
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
     cat = size / (time.time() - t) / 1e9
     t = time.time()
     for f in files:  # O_DIRECT: bypasses the page cache, the disk's own rate
         subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True, check=True)
-    return {"cat_gbs": cat, "dd_direct_gbs": size / (time.time() - t) / 1e9}
+    return {"cat_gbs": cat, "cat_cold_gbs": cold, "dd_direct_gbs": size / (time.time() - t) / 1e9}
 
 
 def main():
@@ -120,16 +138,19 @@ def main():
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         for op, code in OPS.items():
+            evict(args.ckpt, out)
             r = run(code, args.ckpt, out, root)
             r["gbs"] = size / r["s"] / 1e9
             rows[f"{label}: {op}"] = r
             print(f"{label:4} {op:36} {r['s']:6.2f} s  peak RSS {r['peak_rss_gb']:5.2f} GB  {r['gbs']:5.2f} GB/s "
                   f"(process {r['process_s']:.1f} s)", flush=True)
+    evict(args.ckpt)
     r = run(PEER[1], args.ckpt, args.ckpt.parent, ROOT)
     rows[PEER[0]] = r
     print(f"peer {PEER[0]:36} {r['s']:6.2f} s  peak RSS {r['peak_rss_gb']:5.2f} GB  {size / r['s'] / 1e9:5.2f} GB/s")
-    print(f"read: cat {rows['read']['cat_gbs']:.2f} GB/s (page cache), dd O_DIRECT {rows['read']['dd_direct_gbs']:.2f} GB/s")
+    print(f"read: cat {rows['read']['cat_cold_gbs']:.2f} GB/s cold, {rows['read']['cat_gbs']:.2f} GB/s (page cache), dd O_DIRECT {rows['read']['dd_direct_gbs']:.2f} GB/s")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
 
 

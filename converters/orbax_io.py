@@ -5,7 +5,8 @@ orbax, hence this module's name; it still loads.)
 Streaming: `write` takes the converted values as they come, a slice of a leaf at a time (`hf.Part`: a layer, an
 expert, a whole tensor), and writes each straight into its place in its leaf file (os.pwrite at the slice's
 offset), checksummed on the way (the file's CRC32 is combined from its slices'): nothing is gathered in memory,
-nothing read back.
+nothing read back. Whole pages go out with O_DIRECT (no copy into the page cache: on a small host that copy, not
+the disk, bounded the conversion), the partial pages at a slice's ends through the page cache.
 
 Nothing we did not create is deleted or overwritten. `check_destination` runs before any import work: an
 existing destination needs overwrite, and even then only an empty directory or one of our own converted
@@ -32,6 +33,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -214,7 +216,11 @@ def _put(root: Path, part: Part) -> list:
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
         _pwrite(fd, head, 0)
-        _pwrite(fd, data, offset)
+        a, b = -(-offset // PAGE) * PAGE, (offset + data.size) // PAGE * PAGE  # the whole pages of the slice
+        if b - a < DIRECT_MIN or not _pwrite_direct(file, data[a - offset:b - offset], a):
+            a = b = offset
+        _pwrite(fd, data[:a - offset], offset)  # the partial pages at either end (or all of it) buffered
+        _pwrite(fd, data[b - offset:], b)
     finally:
         os.close(fd)
     return [part.leaf, list(shape), ST_NAMES[v.dtype], offset, v.nbytes, zlib.crc32(data)]
@@ -224,6 +230,50 @@ def _pwrite(fd: int, data, offset: int) -> None:
     view, done = memoryview(data), 0
     while done < len(view):
         done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
+
+
+PAGE = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (a multiple of every block size in use)
+DIRECT_MIN = 1 << 20  # smaller slices are written through the page cache
+BOUNCE = 16 << 20  # bytes of the aligned buffer an unaligned slice is copied through
+_direct_ok = hasattr(os, "O_DIRECT")  # False once a file system refused it: then everything is buffered
+_bounce = threading.local()
+
+
+def _pwrite_direct(file: Path, pages: np.ndarray, offset: int) -> bool:
+    """Write whole pages at a page-aligned offset with O_DIRECT: the disk reads our buffer (DMA), nothing is copied
+    into the page cache — on a 2-core host a buffered write runs at ~0.5 GB/s of CPU time, this at the disk's
+    3+ GB/s. A slice whose memory is not page-aligned goes through an aligned bounce buffer. False (nothing
+    needed undoing: the caller writes it all buffered) where the file system refuses O_DIRECT."""
+    global _direct_ok
+    if not _direct_ok:
+        return False
+    try:
+        fd = os.open(file, os.O_WRONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        _direct_ok = False
+        return False
+    try:
+        if pages.ctypes.data % PAGE == 0:
+            _pwrite(fd, pages, offset)
+        else:
+            bounce = getattr(_bounce, "buf", None)
+            if bounce is None or bounce.size < BOUNCE:
+                raw = np.empty(BOUNCE + PAGE, np.uint8)
+                bounce = _bounce.buf = raw[-raw.ctypes.data % PAGE:][:BOUNCE]
+            for i in range(0, pages.size, BOUNCE):
+                n = min(BOUNCE, pages.size - i)
+                bounce[:n] = pages[i:i + n]
+                _pwrite(fd, bounce[:n], offset + i)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        _direct_ok = False  # accepted at open, refused at write (some FUSE and network file systems)
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _leaf_checksums(root: Path, records: list) -> dict[str, list[int]]:

@@ -6,6 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from jaxmodels.checkpoint import aligned_empty
+
 
 def _prod(s):
     return math.prod(s)
@@ -24,7 +26,7 @@ def transpose(x: np.ndarray, dtype=None, tile: int = 256) -> np.ndarray:
     if x.ndim != 2 or x.size < (1 << 18):
         return np.ascontiguousarray(x.T, dtype)
     rows, cols = x.shape
-    out = np.empty((cols, rows), dtype)
+    out = aligned_empty((cols, rows), dtype)  # page-aligned: written to disk straight from this buffer (O_DIRECT)
 
     def band(j):
         for i in range(0, rows, tile):
