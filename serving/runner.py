@@ -320,6 +320,7 @@ class Runner:
         self.sampled = np.zeros(self.rows, np.int32)  # tokens sampled per row so far (the seeded sample's index)
         self.shapes: set = set()
         self.dispatch_s = 0.0  # seconds in the jitted step's call (dispatch; on a CPU maybe part of the work)
+        self.compile_s = 0.0  # of which the first calls of each shape (trace and compile)
         self.extend_ok = extends(model, abstract)
 
     def _zeros(self, shape) -> jax.Array:
@@ -406,7 +407,8 @@ class Runner:
         images = None if decode else self._images(pieces, P, T)
         key = (how, P, T, sampled, filtered, penalized, top_n, want >= 0,
                None if images is None else tuple(sorted((k, np.shape(a)) for k, a in images.items())))
-        if key not in self.shapes:
+        new = key not in self.shapes
+        if new:
             self.shapes.add(key)
             log.info("compiling step %s: %d rows x %d tokens (sampled=%s, penalties=%s, logprobs=%s, "
                      "top_logprobs=%d); %d shapes so far", how, P, T, sampled, penalized, want >= 0, top_n,
@@ -419,7 +421,9 @@ class Runner:
                 self.model.params, self.cache, self.counts, self.last, ints, floats, table[rows], tokens, images,
                 cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=penalized, top_n=top_n,
                 logprobs=want >= 0, splits=self.splits, shard=self.shard)
-        self.dispatch_s += time.perf_counter() - t
+        t = time.perf_counter() - t
+        self.dispatch_s += t
+        self.compile_s += t if new else 0.0
         return Launched(pieces, emit, out)
 
     def _images(self, pieces, P: int, T: int) -> dict | None:
