@@ -236,6 +236,7 @@ PAGE = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (a multi
 DIRECT_MIN = 1 << 20  # smaller slices are written through the page cache
 BOUNCE = 16 << 20  # bytes of the aligned buffer an unaligned slice is copied through
 _direct_ok = hasattr(os, "O_DIRECT")  # False once a file system refused it: then everything is buffered
+DIRECT_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)  # how file systems say "no O_DIRECT here"
 _bounce = threading.local()
 
 
@@ -250,7 +251,7 @@ def _pwrite_direct(file: Path, pages: np.ndarray, offset: int) -> bool:
     try:
         fd = os.open(file, os.O_WRONLY | os.O_DIRECT)
     except OSError as e:
-        if e.errno != errno.EINVAL:
+        if e.errno not in DIRECT_REFUSED:
             raise
         _direct_ok = False
         return False
@@ -267,7 +268,7 @@ def _pwrite_direct(file: Path, pages: np.ndarray, offset: int) -> bool:
                 bounce[:n] = pages[i:i + n]
                 _pwrite(fd, bounce[:n], offset + i)
     except OSError as e:
-        if e.errno != errno.EINVAL:
+        if e.errno not in DIRECT_REFUSED:
             raise
         _direct_ok = False  # accepted at open, refused at write (some FUSE and network file systems)
         return False

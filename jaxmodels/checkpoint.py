@@ -90,24 +90,41 @@ DIRECT_MIN = 1 << 20  # smaller leaves are read through the page cache
 _direct_ok = hasattr(os, "O_DIRECT")  # False once a file system refused it
 
 
+DIRECT_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)  # how file systems say "no O_DIRECT here"
+
+
+def _cached(file: Path, offset: int) -> bool:
+    """The page at `offset` is in the page cache (a file just copied or read by something else: a buffered read
+    copies at memory speed, O_DIRECT would go to the disk)."""
+    if not hasattr(os, "RWF_NOWAIT"):
+        return False
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        return os.preadv(fd, [bytearray(DATA_OFFSET)], offset, os.RWF_NOWAIT) > 0
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
+        return False
+    finally:
+        os.close(fd)
+
+
 def _read_direct(file: Path, pages: np.ndarray, offset: int) -> bool:
     """Fill page-aligned `pages` from the page-aligned `offset` with O_DIRECT: the disk writes into our buffer, no
     copy out of the page cache (on a 2-core host that copy, not the disk, bounds a cold load). False where the file
-    system refuses O_DIRECT (the caller reads it all buffered)."""
+    system refuses O_DIRECT, or the file's last whole page is cached (the caller reads it all buffered)."""
     global _direct_ok
-    if not _direct_ok or pages.ctypes.data % DATA_OFFSET:
+    if not _direct_ok or pages.ctypes.data % DATA_OFFSET or _cached(file, offset + pages.size - DATA_OFFSET):
         return False
     try:
         fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
     except OSError as e:
-        if e.errno != errno.EINVAL:
+        if e.errno not in DIRECT_REFUSED:
             raise
         _direct_ok = False
         return False
     try:
         read_into(fd, pages, offset)
     except OSError as e:
-        if e.errno != errno.EINVAL:
+        if e.errno not in DIRECT_REFUSED:
             raise
         _direct_ok = False  # accepted at open, refused at read
         return False

@@ -405,7 +405,9 @@ class Runner:
         want = int(params[:, 2].max())
         top_n = 0 if want <= 0 else MAX_LOGPROBS if want > 5 else 5
         images = None if decode else self._images(pieces, P, T)
-        key = (how, P, T, sampled, filtered, penalized, top_n, want >= 0,
+        if penalized and self.counts.shape[0] != self.rows:
+            self.counts = self._zeros((self.rows, self.cfg.logits_size))
+        key = (how, P, T, sampled, filtered, penalized, top_n, want >= 0, self.counts.shape,
                None if images is None else tuple(sorted((k, np.shape(a)) for k, a in images.items())))
         new = key not in self.shapes
         if new:
@@ -413,8 +415,6 @@ class Runner:
             log.info("compiling step %s: %d rows x %d tokens (sampled=%s, penalties=%s, logprobs=%s, "
                      "top_logprobs=%d); %d shapes so far", how, P, T, sampled, penalized, want >= 0, top_n,
                      len(self.shapes))
-        if penalized and self.counts.shape[0] != self.rows:
-            self.counts = self._zeros((self.rows, self.cfg.logits_size))
         t = time.perf_counter()
         with sharding.entered(self.shard):
             self.cache, self.counts, self.last, out = step(

@@ -16,6 +16,24 @@ from jaxmodels.checkpoint import aligned_empty, leaf_header
 needs_o_direct = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="this OS has no O_DIRECT")
 
 
+def _takes_o_direct(where) -> bool:
+    """Whether the file system of `where` takes an aligned O_DIRECT write: asked directly, so that a test whose
+    code falls back to buffered writes fails instead of skipping (a wrong offset also gets EINVAL)."""
+    page = np.zeros(orbax_io.PAGE * 2, np.uint8)
+    page = page[-page.ctypes.data % orbax_io.PAGE:][:orbax_io.PAGE]
+    try:
+        fd = os.open(where / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    try:
+        return os.pwrite(fd, page, 0) == orbax_io.PAGE
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(where / "probe")
+
+
 def _unaligned(a: np.ndarray, shift: int) -> np.ndarray:
     """A copy of a whose data starts `shift` bytes past a page boundary."""
     raw = np.empty(a.nbytes + 2 * orbax_io.PAGE, np.uint8)
@@ -63,6 +81,8 @@ def _expected(parts):
 
 @needs_o_direct
 def test_direct_writes_equal_buffered_writes(tmp_path, monkeypatch):
+    if not _takes_o_direct(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
     parts = _slices(np.random.default_rng(0))
     monkeypatch.setattr(orbax_io, "DIRECT_MIN", 1)  # every slice with a whole page takes O_DIRECT
     monkeypatch.setattr(orbax_io, "BOUNCE", 3 * orbax_io.PAGE)  # unaligned slices cross several bounce chunks
@@ -79,8 +99,7 @@ def test_direct_writes_equal_buffered_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "open", spy)
     (tmp_path / "direct").mkdir()
     direct = _write(tmp_path / "direct", parts)
-    if not orbax_io._direct_ok:
-        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT: only the buffered fallback ran")
+    assert orbax_io._direct_ok, "an aligned O_DIRECT write was refused: the offsets or lengths are wrong"
     assert {os.path.basename(f) for f in opened} == {p.leaf + orbax_io.LEAF_SUFFIX for p in parts}
     monkeypatch.setattr(orbax_io, "_direct_ok", False)
     (tmp_path / "buffered").mkdir()
@@ -96,17 +115,30 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
     parts = _slices(np.random.default_rng(1))
     monkeypatch.setattr(orbax_io, "DIRECT_MIN", 1)
     monkeypatch.setattr(orbax_io, "_direct_ok", True)
-    real_open = os.open
+    real_open, asked = os.open, []
 
     def refuse(path, flags, *a):
         if flags & os.O_DIRECT:
+            asked.append(path)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a)
 
     monkeypatch.setattr(os, "open", refuse)
     files, _ = _write(tmp_path, parts)
     assert files == _expected(parts)
-    assert orbax_io._direct_ok is False  # asked once, then never again
+    assert orbax_io._direct_ok is False and len(asked) == 1  # asked once, then never again
+
+
+def test_a_cached_file_is_read_through_the_page_cache(tmp_path):
+    """A repeated load reads at memory speed: O_DIRECT only where the file's pages are not cached."""
+    from jaxmodels import checkpoint
+
+    f = tmp_path / "leaf"
+    f.write_bytes(os.urandom(4 * orbax_io.PAGE))
+    f.read_bytes()
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT: the cache cannot be asked")
+    assert checkpoint._cached(f, 3 * orbax_io.PAGE)
 
 
 @needs_o_direct
@@ -120,6 +152,8 @@ def test_convert_and_load_through_o_direct_equal_the_buffered_paths(tmp_path, mo
     from jaxmodels import checkpoint
     from tests.test_convert_scale import write_checkpoint
 
+    if not _takes_o_direct(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
     write_checkpoint(tmp_path / "src", "llama", layers=3, d=64, inter=128, vocab=256)
     direct = []
     real_open = os.open
@@ -141,8 +175,7 @@ def test_convert_and_load_through_o_direct_equal_the_buffered_paths(tmp_path, mo
         model = jm.load(tmp_path / mode)
         files = {p.relative_to(tmp_path / mode): p.read_bytes() for p in (tmp_path / mode).rglob("*") if p.is_file()}
         out[mode] = files, jax.tree.map(np.asarray, model.params)
-        if on and not (orbax_io._direct_ok and checkpoint._direct_ok):
-            pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT: only the buffered fallback ran")
+        assert not on or (orbax_io._direct_ok and checkpoint._direct_ok), "an aligned O_DIRECT call was refused"
     kinds = {flags for _, flags in direct}
     assert kinds == {os.O_WRONLY, os.O_RDONLY}, "both the writer and the loader went through O_DIRECT"
     assert out["direct"][0] == out["buffered"][0]
