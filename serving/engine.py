@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import jax
@@ -166,6 +168,9 @@ class Engine:
                         "blocks: prefix caching will rarely hit")
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    chunked)
+        # a chunk launch of several rows pads to at most twice a step's budget (rarely binding: splitting is
+        # cheaper well before), so that `warmup` knows every shape a step can launch
+        self.launch_tokens = 2 * R.chunk_width(self.scheduler.budget)
         self.requests: dict[str, Request] = {}
         self.eos = frozenset(eos_ids(cfg, self.tokenizer))
         self.blocks, self.steps = blocks, 0
@@ -204,6 +209,37 @@ class Engine:
         state = rows * sum(int(np.prod(a.shape)) * a.dtype.itemsize for kind in abstract.state for a in kind.values())
         return kv_blocks_for_memory([per] * len(devices), stats, self.config.memory_fraction or
                                     DEFAULT_MEMORY_FRACTION, [str(d) for d in devices], state)
+
+    def launch_shapes(self) -> list[tuple[str, int, int]]:
+        """Every (kind, rows, tokens) a step can launch for text requests."""
+        sch = self.scheduler
+        longest = min(sch.budget, sch.max_chunk or sch.budget, self.max_model_len)
+        shapes = R.launch_shapes(self.runner.rows - 1, longest, self.launch_tokens)
+        chunk = "extend" if self.runner.extend_ok else "prefill"
+        return [(chunk, P, T) for P, T in shapes["chunk"]] + [("decode", P, T) for P, T in shapes["decode"]]
+
+    def warmup(self, sampling=("greedy",), workers: int | None = None, progress=None) -> int:
+        """Compile the step of every shape `launch_shapes` lists, for rows that are greedy / sampled / sampled with
+        top-k, top-p or min-p (`sampling`, names of `runner.WARM_SAMPLING`) — so that no request waits for a
+        compile later (steps with penalties, logprobs or images still compile when first met). Shapes are traced
+        here, one after another, and compiled meanwhile in `workers` threads (default: the CPU count, at most 8).
+        progress(done, total) after each compile. Returns the shapes compiled."""
+        unknown = set(sampling) - set(R.WARM_SAMPLING)
+        if unknown:
+            raise ValueError(f"warm-up sampling must be among {sorted(R.WARM_SAMPLING)}, got {sorted(unknown)}")
+        t, workers = time.perf_counter(), workers or min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers) as pool:
+            lowered = (self.runner.lower(how, P, T, s) for s in dict.fromkeys(sampling)
+                       for how, P, T in self.launch_shapes())
+            jobs = [pool.submit(low.compile) for low in lowered if low is not None]
+            for done, job in enumerate(as_completed(jobs), 1):
+                job.result()
+                if progress:
+                    progress(done, len(jobs))
+        if jobs:
+            log.info("warm-up: %d step shapes compiled in %.1f s (%s; %d threads)", len(jobs),
+                     time.perf_counter() - t, ", ".join(sampling), workers)
+        return len(jobs)
 
     # -------------------------------------------------------------------------------------------- requests
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, images: dict | None = None) -> None:
@@ -313,7 +349,7 @@ class Engine:
         table, out = self.pool.table, []
         # Mllama: rows with images run apart (in a batch, a row without images would attend to the others' padding)
         for part in ([p for p in chunks if p[0].cross is None], [p for p in chunks if p[0].cross is not None]):
-            for rows in R.row_groups(part, cap=self.runner.rows - 1):
+            for rows in R.row_groups(part, cap=self.runner.rows - 1, max_tokens=self.launch_tokens):
                 out.append(self.runner.run("extend" if self.runner.extend_ok else "prefill", rows, table))
         if decode:
             out.append(self.runner.run("decode", decode, table))

@@ -258,20 +258,25 @@ def launch_cost(pieces, cap: int | None = None) -> int:
     return bucket(len(pieces), 1, cap) * chunk_width(max(k for _, _, k in pieces)) + LAUNCH_TOKENS
 
 
-def row_groups(pieces, cap: int | None = None) -> list[list]:
+def row_groups(pieces, cap: int | None = None, max_tokens: int | None = None) -> list[list]:
     """Chunk pieces [(request, start, n)] as launches of the least total `launch_cost`: padded rows and tokens
     against launches. Chunks of 1900, 100 and 48 tokens run as [1900] + [100, 48] (1 x 2048 + 2 x 128 tokens in two
-    launches), not as one launch of 4 x 2048 rows x tokens; 18 alike chunks as 16 + 2 rows, not 32.
+    launches), not as one launch of 4 x 2048 rows x tokens; 18 alike chunks as 16 + 2 rows, not 32. A launch holds
+    at most `cap` rows and, when it has more than one, at most `max_tokens` padded tokens (rows x width): that
+    bounds the shapes a step compiles to `launch_shapes`.
 
     Longest first, a launch takes the next pieces in that order (its width is its first piece's, so a cheaper
     split of the same pieces is never interleaved), and for a row bucket B the most pieces it holds (the rest only
-    gets cheaper): a dynamic program over where each launch ends, O(n log n)."""
+    gets cheaper): a dynamic program over where each launch ends, O(n^2 log n) (the cost of a launch reads its
+    pieces)."""
     pieces = sorted(pieces, key=lambda p: -p[2])
     n = len(pieces)
     best = [(0, n)] * (n + 1)  # best[j]: the least cost of pieces j.., and where its first launch ends
     for j in range(n - 1, -1, -1):
         sizes = {1 << b for b in range((n - j).bit_length() + 1)}
-        ends = sorted({j + min(size, cap or size, n - j) for size in sizes})  # a launch holds at most cap rows
+        ends = {j + min(size, cap or size, n - j) for size in sizes}  # a launch holds at most cap rows
+        if max_tokens:
+            ends = {e for e in ends if e == j + 1 or bucket(e - j, 1, cap) * chunk_width(pieces[j][2]) <= max_tokens}
         cost, end = min((launch_cost(pieces[j:e], cap) + best[e][0], -e) for e in ends)  # ties: fewer launches
         best[j] = (cost, -end)
     groups, j = [], 0
@@ -279,6 +284,20 @@ def row_groups(pieces, cap: int | None = None) -> list[list]:
         groups.append(pieces[j:best[j][1]])
         j = best[j][1]
     return groups
+
+
+def launch_shapes(max_rows: int, max_chunk: int, max_tokens: int) -> dict[str, list[tuple[int, int]]]:
+    """Every (rows, tokens) shape `Runner.run` may launch: decode steps of up to max_rows rows, and chunk launches
+    whose chunks hold up to max_chunk tokens, at most max_tokens padded tokens when they have several rows (as
+    `row_groups(cap=max_rows, max_tokens=...)` builds them)."""
+    decode = sorted({bucket(n, 8, max_rows) for n in range(1, max_rows + 1)})
+    rows = sorted({bucket(n, 1, max_rows) for n in range(1, max_rows + 1)})
+    widths = sorted({chunk_width(n) for n in range(1, max_chunk + 1)})
+    return {"decode": [(P, 1) for P in decode],
+            "chunk": [(P, T) for P in rows for T in widths if P == 1 or P * T <= max_tokens]}
+
+
+WARM_SAMPLING = {"greedy": (False, False), "sampled": (True, False), "filtered": (True, True)}  # (sampled, filtered)
 
 
 class Launched:
@@ -407,8 +426,7 @@ class Runner:
         images = None if decode else self._images(pieces, P, T)
         if penalized and self.counts.shape[0] != self.rows:
             self.counts = self._zeros((self.rows, self.cfg.logits_size))
-        key = (how, P, T, sampled, filtered, penalized, top_n, want >= 0, self.counts.shape,
-               None if images is None else tuple(sorted((k, np.shape(a)) for k, a in images.items())))
+        key = self._key(how, P, T, sampled, filtered, penalized, top_n, want >= 0, images)
         new = key not in self.shapes
         if new:
             self.shapes.add(key)
@@ -425,6 +443,29 @@ class Runner:
         self.dispatch_s += t
         self.compile_s += t if new else 0.0
         return Launched(pieces, emit, out)
+
+    def _key(self, how, P, T, sampled, filtered, penalized, top_n, logprobs, images) -> tuple:
+        """What tells compiled steps apart (beside the model, fixed for the runner)."""
+        return (how, P, T, sampled, filtered, penalized, top_n, logprobs, self.counts.shape,
+                None if images is None else tuple(sorted((k, np.shape(a)) for k, a in images.items())))
+
+    def lower(self, how: str, P: int, T: int, sampling: str = "greedy"):
+        """The step of P rows x T tokens for rows that are `sampling` (WARM_SAMPLING; no penalties, logprobs or
+        images), traced and lowered for `jax.stages.Lowered.compile`: once compiled, the `run` that meets this
+        shape finds it in JAX's caches instead of compiling while requests wait. None if it is compiled already.
+        Lower in the thread that runs the engine (tracing reads its JAX config, e.g. a matmul precision context);
+        compiling may take other threads (XLA compiles without the GIL)."""
+        sampled, filtered = WARM_SAMPLING[sampling]
+        key = self._key(how, P, T, sampled, filtered, False, 0, False, None)
+        if key in self.shapes:
+            return None
+        self.shapes.add(key)
+        ints, floats = np.zeros((8, P), np.int32), np.zeros((5, P), np.float32)
+        tables, tokens = np.zeros((P, self.splits[-1]), np.int32), np.zeros((P, T), np.int32)
+        with sharding.entered(self.shard):
+            return step.lower(self.model.params, self.cache, self.counts, self.last, ints, floats, tables, tokens,
+                              None, cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=False,
+                              top_n=0, logprobs=False, splits=self.splits, shard=self.shard)
 
     def _images(self, pieces, P: int, T: int) -> dict | None:
         """The image-token embeddings of the chunks' image tokens, piece by piece (rows bucketed, padding

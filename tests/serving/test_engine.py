@@ -3,6 +3,7 @@ same greedy tokens, with prefix caching on and off, chunked prefill on and off, 
 pool; prefix caching hits in every cache group, sliding windows included; seeded sampling is reproducible whatever
 else runs; penalties and logprobs match a reference computed from `jm.forward`; every block is free at the end."""
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -201,7 +202,7 @@ def test_compiled_shapes_stay_bounded():
     chunk_shapes, grouped = set(), 0
     for launches in steps:  # each step's chunks launched as `row_groups` split them, each at its row bucket
         chunks = [pieces for how, pieces in launches if how == "extend"]
-        assert chunks == row_groups([p for g in chunks for p in g], cap=4)
+        assert chunks == row_groups([p for g in chunks for p in g], cap=4, max_tokens=engine.launch_tokens)
         chunk_shapes |= {("extend", bucket(len(g), 1, 4), chunk_width(max(k for *_, k in g))) for g in chunks}
         grouped += len(chunks) > 1 or any(len(g) > 1 for g in chunks)
     assert grouped > 3, f"only {grouped} steps launched several chunks: too few to test the grouping"
@@ -226,21 +227,74 @@ def _partitions(items):
             yield part[:i] + [[first] + part[i]] + part[i + 1:]
 
 
-@pytest.mark.parametrize("n,cap", [(1, None), (2, None), (3, None), (5, 4), (6, None), (6, 6), (7, 6), (7, 3)])
-def test_row_groups_find_the_cheapest_launches_of_all_groupings(n, cap):
-    """Against every way to split the chunks into launches of at most cap rows (not just runs of the sorted
-    order); cap need not be a power of two, and may be below the chunk count."""
-    from serving.runner import launch_cost, row_groups
+@pytest.mark.parametrize("n,cap,max_tokens", [(1, None, None), (2, None, None), (3, None, None), (5, 4, None),
+                                              (6, None, None), (6, 6, None), (7, 6, None), (7, 3, None),
+                                              (5, None, 1024), (6, 6, 512), (7, 3, 2048)])
+def test_row_groups_find_the_cheapest_launches_of_all_groupings(n, cap, max_tokens):
+    """Against every way to split the chunks into launches of at most cap rows and, with several rows, at most
+    max_tokens padded tokens (not just runs of the sorted order); cap need not be a power of two, and may be below
+    the chunk count."""
+    from serving.runner import bucket, chunk_width, launch_cost, row_groups
+
+    def allowed(g):
+        padded = bucket(len(g), 1, cap) * chunk_width(max(p[2] for p in g))
+        return len(g) <= (cap or n) and (len(g) == 1 or not max_tokens or padded <= max_tokens)
 
     for seed in range(12):
         rng = np.random.default_rng(100 * n + seed)
         pieces = [(f"r{i}", 0, int(k)) for i, k in enumerate(rng.integers(1, 600, n))]
-        groups = row_groups(pieces, cap)
+        groups = row_groups(pieces, cap, max_tokens)
         assert sorted(p for g in groups for p in g) == sorted(pieces)
-        assert all(len(g) <= (cap or n) for g in groups)
-        best = min(sum(launch_cost(g, cap) for g in part) for part in _partitions(pieces)
-                   if all(len(g) <= (cap or n) for g in part))
+        assert all(map(allowed, groups))
+        best = min(sum(launch_cost(g, cap) for g in part) for part in _partitions(pieces) if all(map(allowed, part)))
         assert sum(launch_cost(g, cap) for g in groups) == best
+
+
+@pytest.mark.parametrize("rows,budget,max_chunk", [(64, 2048, 2048), (64, 2048, 113), (6, 512, 512), (1, 64, 64)])
+def test_launch_shapes_hold_every_launch_of_every_step(rows, budget, max_chunk):
+    """Random steps (chunks under the budget, at most max_chunk tokens each, at most `rows` of them), grouped as the
+    engine groups them: every launch's shape is one `launch_shapes` lists (what `Engine.warmup` compiles)."""
+    from serving.runner import bucket, chunk_width, launch_shapes, row_groups
+
+    max_tokens = 2 * chunk_width(budget)
+    shapes = launch_shapes(rows, max_chunk, max_tokens)
+    chunk, seen = set(shapes["chunk"]), set()
+    rng = np.random.default_rng(rows + budget)
+    for _ in range(3000):
+        left, pieces = budget, []
+        while left > 0 and len(pieces) < rows:  # a step's chunks: long, short or a mix, as the budget allows
+            k = int(min(left, max_chunk, rng.integers(1, rng.choice([16, 200, max_chunk]) + 1)))
+            pieces.append((len(pieces), 0, k))
+            left -= k
+            if rng.random() < 0.2:
+                break
+        for g in row_groups(pieces, cap=rows, max_tokens=max_tokens):
+            seen.add((bucket(len(g), 1, rows), chunk_width(max(p[2] for p in g))))
+    assert seen <= chunk, seen - chunk
+    assert len(seen) > len(chunk) // 2, "too few shapes met to test the bound"
+
+
+def test_warmup_compiles_every_step_a_run_meets(caplog):
+    """After `Engine.warmup`, a run of greedy and sampled requests of many lengths compiles (and traces) no step
+    at all: JAX's own compile log shows none."""
+    model = _model("llama")
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, kv_blocks=160, block_size=4,
+                                        max_num_batched_tokens=64))
+    with pytest.raises(ValueError, match="warm-up sampling must be among"):
+        engine.warmup(("greedy", "hot"))
+    ticks = []
+    n = engine.warmup(("greedy", "sampled"), progress=lambda done, total: ticks.append((done, total)))
+    assert n == 2 * len(engine.launch_shapes()) == len(engine.runner.shapes) and ticks[-1] == (n, n)
+    assert engine.warmup(("greedy",)) == 0  # compiled once
+    rng = np.random.default_rng(5)
+    prompts = [list(map(int, rng.integers(0, model.config.vocab_size, n))) for n in rng.integers(1, 80, 24)]
+    hot = SamplingParams(temperature=0.8, max_tokens=NEW, seed=3, ignore_eos=True)
+    params = [GREEDY if i % 3 else hot for i in range(len(prompts))]
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+        _run(engine, prompts, params)
+    steps = [r.getMessage() for r in caplog.records if "jit(step)" in r.getMessage() or "tracing step" in r.getMessage()]
+    assert not steps, steps
+    assert engine.runner.compile_s == 0 and len(engine.runner.shapes) == n
 
 
 @pytest.mark.parametrize("n", [8, 18, 31, 64, 200])
