@@ -3,7 +3,7 @@ random weights at real shapes. Each stage runs in its own process.
 
     python3 benchmarks/serving_bench.py --out $OUT [--stages tiny,gpt_oss,llama,hf_gpt_oss,hf_llama]
         [--requests 128] [--prompt 1024] [--new 1024] [--max-num-seqs 64] [--budget 2048] [--no-prefix-caching]
-        [--no-async-scheduling]
+        [--no-async-scheduling] [--warmup engine|run|none]
 
 Reports output tok/s (prefill included: all requests arrive at t=0), TTFT and inter-token latency p50/p99, steps,
 compiled shapes, the compile time of shapes first met inside the measured run (`compile_s_in_run`), and the
@@ -100,9 +100,12 @@ def child(a):
                 times.setdefault(o.request_id, []).append(now)
         return time.perf_counter() - t, t, times, tokens, step_s
 
-    # warm-up: the shapes the measured run compiles (prefill chunks of every row bucket, decode) on short outputs
-    warm, *_ = run(a.max_num_seqs, a.prompt, 4)
-    res["warmup_s"] = round(warm, 1)
+    t = time.perf_counter()
+    if a.warmup == "engine":  # every shape a step can launch, as `jaxmodels serve` does before it listens
+        res["warmup_shapes"] = engine.warmup(("greedy",))
+    elif a.warmup == "run":  # the shapes a short run meets (prefill chunks of every row bucket, decode)
+        run(a.max_num_seqs, a.prompt, 4)
+    res["warmup"], res["warmup_s"] = a.warmup, round(time.perf_counter() - t, 1)
     res["compiled_shapes_after_warmup"] = len(engine.runner.shapes)
     timing, compile_s, shapes = dict(engine.timing), engine.runner.compile_s, len(engine.runner.shapes)
     wall, t, times, tokens, step_s = run(a.requests, a.prompt, a.new)
@@ -121,7 +124,8 @@ def child(a):
             "compiled_shapes": len(engine.runner.shapes), "preemptions": engine.stats()["preemptions"]}
     assert tokens == a.requests * a.new, tokens
     print(json.dumps(res), flush=True)
-    tag = ("_nopc" if a.no_prefix_caching else "") + ("_sync" if a.no_async_scheduling else "")
+    tag = ("_nopc" if a.no_prefix_caching else "") + ("_sync" if a.no_async_scheduling else "") + \
+        ("" if a.warmup == "engine" else f"_warm{a.warmup}")
     with open(os.path.join(a.out, f"serving_{name}_{a.requests}r{a.max_num_seqs}s{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
@@ -138,6 +142,9 @@ def main():
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--timeout", type=int, default=280)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--warmup", default="engine", choices=("engine", "run", "none"),
+                    help="engine: Engine.warmup compiles every step shape first (default); run: a short run of "
+                         "max-num-seqs requests compiles the shapes it meets; none: compiles land in the run")
     ap.add_argument("--no-async-scheduling", action="store_true", help="no host/device overlap (for comparison)")
     a = ap.parse_args()
     if a.child:
@@ -146,7 +153,7 @@ def main():
     for stage in a.stages.split(","):
         args = [sys.executable, __file__, "--child", stage, "--out", a.out, "--requests", str(a.requests),
                 "--prompt", str(a.prompt), "--new", str(a.new), "--max-num-seqs", str(a.max_num_seqs),
-                "--budget", str(a.budget)] + ["--no-prefix-caching"] * a.no_prefix_caching + \
+                "--budget", str(a.budget), "--warmup", a.warmup] + ["--no-prefix-caching"] * a.no_prefix_caching + \
             ["--no-async-scheduling"] * a.no_async_scheduling
         if stage == "tiny":
             args[args.index("--requests") + 1] = "16"

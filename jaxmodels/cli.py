@@ -181,6 +181,11 @@ def _serve(args) -> int:
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     from serving.engine import Engine, EngineConfig
+    from serving.runner import WARM_SAMPLING
+
+    warm = [] if args.warmup == "none" else [w.strip() for w in args.warmup.split(",") if w.strip()]
+    if bad := [w for w in warm if w not in WARM_SAMPLING]:
+        raise ValueError(f"--warmup takes 'none' or a list of {', '.join(WARM_SAMPLING)}, got {bad[0]!r}")
 
     try:  # bad values fail here, before the model loads
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -208,6 +213,10 @@ def _serve(args) -> int:
 
     logging.getLogger("jaxmodels").setLevel(logging.INFO)
     engine = Engine(jm.load(args.model, dtype=args.dtype, mesh=mesh, rules=args.rules), config)
+    if warm:  # before the address is announced: no request waits on a compile later
+        print(f"warming up: compiling the engine's step shapes for {', '.join(warm)} requests ...", file=sys.stderr,
+              flush=True)
+        engine.warmup(warm)  # logs how many and how long
     from jaxmodels import files
 
     repo_id = not Path(args.model).exists() and files.REPO_ID.match(args.model)
@@ -310,6 +319,10 @@ def parser() -> argparse.ArgumentParser:
                                   "tensor expert): parameters by --rules, KV-cache pools split by kv head")
     s.add_argument("--rules", default="tp", help="sharding preset: tp | fsdp_tp | ep (default: tp)")
     s.add_argument("--dtype", choices=DTYPES, help="cast parameters after loading")
+    s.add_argument("--warmup", default="greedy,sampled", metavar="KINDS",
+                   help="compile every step shape before serving, for rows that are greedy, sampled and/or filtered "
+                        "(top-k / top-p / min-p), comma-separated, or 'none' (default: greedy,sampled; requests with "
+                        "penalties, logprobs or images still compile their step when first met)")
     s.set_defaults(fn=_serve)
     for command in (c, e):
         command.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

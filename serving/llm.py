@@ -47,9 +47,13 @@ def fan_out(params: SamplingParams) -> list[SamplingParams]:
 
 
 class LLM:
-    def __init__(self, model_or_path, dtype: str | None = None, **engine_args):
+    def __init__(self, model_or_path, dtype: str | None = None, warmup: tuple[str, ...] = (), **engine_args):
+        """engine_args: EngineConfig's fields. warmup: compile every step shape first for these kinds of rows
+        (`Engine.warmup`: "greedy", "sampled", "filtered"), so that no generate() call compiles mid-run."""
         self.model = load_model(model_or_path, dtype)
         self.engine = Engine(self.model, EngineConfig(**engine_args))
+        if warmup:
+            self.engine.warmup(warmup)
         self._ids = itertools.count()
 
     @property

@@ -345,7 +345,7 @@ def test_serve_command(model, tokenizer, tmp_path, reference):
     path = save(tmp_path / "tiny", model.config, model.params, tokenizer)
     cmd = [sys.executable, "-m", "jaxmodels.cli", "serve", "--model", str(path), "--port", "0", "--max-num-seqs",
            "2", "--max-model-len", "64", "--kv-blocks", "8", "--served-model-name", "cli-model", "--api-key", "k",
-           "--mesh", "data=4,tensor=2"]
+           "--mesh", "data=4,tensor=2", "--warmup", "greedy"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -378,6 +378,7 @@ def test_serve_command(model, tokenizer, tmp_path, reference):
     assert proc.wait(30) == -15
     drain.join(10)
     assert "Application shutdown complete" in rest[0] and "Traceback" not in rest[0], rest
+    assert re.search(r"warm-up: \d+ step shapes compiled", "".join(lines)), lines  # before the address
 
 
 def _cli(*args):
@@ -395,6 +396,9 @@ def test_serve_bad_arguments_are_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "in use" in r.stderr, r.stderr
     r = _cli("--model", str(tmp_path), "--port", "70000")
     assert r.returncode == 2 and r.stderr == "jaxmodels serve: error: --port must be in [0, 65535], got 70000\n"
+    r = _cli("--model", str(tmp_path), "--warmup", "greedy,fast")
+    assert r.returncode == 2 and r.stderr == ("jaxmodels serve: error: --warmup takes 'none' or a list of greedy, "
+                                              "sampled, filtered, got 'fast'\n"), r.stderr
     r = _cli("--model", str(tmp_path), "--bogus")
     assert r.returncode == 2 and r.stderr.splitlines()[-1] == "jaxmodels: error: unrecognized arguments: --bogus"
     assert "Traceback" not in r.stderr
