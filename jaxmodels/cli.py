@@ -183,9 +183,10 @@ def _serve(args) -> int:
     from serving.engine import Engine, EngineConfig
     from serving.runner import WARM_SAMPLING
 
-    warm = [] if args.warmup == "none" else [w.strip() for w in args.warmup.split(",") if w.strip()]
-    if bad := [w for w in warm if w not in WARM_SAMPLING]:
-        raise ValueError(f"--warmup takes 'none' or a list of {', '.join(WARM_SAMPLING)}, got {bad[0]!r}")
+    warm = [] if args.warmup == "none" else [w.strip() for w in args.warmup.split(",")]
+    if not set(warm) <= set(WARM_SAMPLING):
+        raise ValueError(f"--warmup takes 'none' or a comma-separated list of {', '.join(WARM_SAMPLING)}, "
+                         f"got {args.warmup!r}")
 
     try:  # bad values fail here, before the model loads
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

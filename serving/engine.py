@@ -218,26 +218,50 @@ class Engine:
         chunk = "extend" if self.runner.extend_ok else "prefill"
         return [(chunk, P, T) for P, T in shapes["chunk"]] + [("decode", P, T) for P, T in shapes["decode"]]
 
+    def copy_sizes(self) -> list[int]:
+        """The block counts (powers of two) a step's copy-on-write may copy: at most the blocks a step's tokens
+        touch, per group (a chunk's first and last block may be partial). None without prefix caching: blocks are
+        shared only through the cache."""
+        if not self.pool.prefix_caching:
+            return []
+        sch, rows = self.scheduler, self.runner.rows - 1
+        most = (sch.budget // self.pool.block_size + 2 * rows) * len(self.pool.groups)
+        return [1 << b for b in range(R.bucket(most).bit_length())]
+
     def warmup(self, sampling=("greedy",), workers: int | None = None, progress=None) -> int:
         """Compile the step of every shape `launch_shapes` lists, for rows that are greedy / sampled / sampled with
-        top-k, top-p or min-p (`sampling`, names of `runner.WARM_SAMPLING`) — so that no request waits for a
-        compile later (steps with penalties, logprobs or images still compile when first met). Shapes are traced
-        here, one after another, and compiled meanwhile in `workers` threads (default: the CPU count, at most 8).
-        progress(done, total) after each compile. Returns the shapes compiled."""
+        top-k, top-p or min-p (`sampling`, names of `runner.WARM_SAMPLING`), and every copy-on-write size — so
+        that no request waits for a compile later (steps with penalties, logprobs or images still compile when
+        first met). Shapes are traced here, one after another (tracing reads this thread's JAX config: warm up in
+        the thread that steps the engine), and compiled meanwhile in `workers` threads (default: the CPU count, at
+        most 8). progress(done, total) after each compile. Returns the programs compiled."""
+        sampling = (sampling,) if isinstance(sampling, str) else tuple(sampling)
         unknown = set(sampling) - set(R.WARM_SAMPLING)
         if unknown:
             raise ValueError(f"warm-up sampling must be among {sorted(R.WARM_SAMPLING)}, got {sorted(unknown)}")
         t, workers = time.perf_counter(), workers or min(8, os.cpu_count() or 1)
-        with ThreadPoolExecutor(workers) as pool:
-            lowered = (self.runner.lower(how, P, T, s) for s in dict.fromkeys(sampling)
-                       for how, P, T in self.launch_shapes())
-            jobs = [pool.submit(low.compile) for low in lowered if low is not None]
+        pool = ThreadPoolExecutor(workers)
+        try:
+            jobs = {}  # future -> the step's key (None for copy_blocks)
+            for s in dict.fromkeys(sampling):
+                for how, P, T in self.launch_shapes():
+                    if (low := self.runner.lower(how, P, T, s)) is not None:
+                        jobs[pool.submit(low[1].compile)] = low[0]
+            for n in self.copy_sizes():
+                if n not in self.runner.copy_sizes:
+                    jobs[pool.submit(self.runner.lower_copy(n).compile)] = n
             for done, job in enumerate(as_completed(jobs), 1):
                 job.result()
+                key = jobs[job]
+                (self.runner.shapes if isinstance(key, tuple) else self.runner.copy_sizes).add(key)
                 if progress:
                     progress(done, len(jobs))
+        except BaseException:  # a failed compile or Ctrl-C: do not wait for the queued ones
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         if jobs:
-            log.info("warm-up: %d step shapes compiled in %.1f s (%s; %d threads)", len(jobs),
+            log.info("warm-up: %d programs compiled in %.1f s (%s; %d threads)", len(jobs),
                      time.perf_counter() - t, ", ".join(sampling), workers)
         return len(jobs)
 

@@ -93,10 +93,21 @@ def allocate(cfg, abstract: Cache, buffer_space: list[int], blocks: int, rows: i
     if shard is None:
         return Cache(tuple(jnp.zeros(*s) for s in shapes), (), empty.state, empty.extra, empty.layout)
     mesh, rules = shard.mesh, dict(shard.rules)
-    buffers = tuple(jnp.zeros(shape, dt, device=NamedSharding(mesh, sharding.spec_for(BUFFER_AXES, shape, mesh, rules)))
+    buffers = tuple(jnp.zeros(shape, dt, device=NamedSharding(mesh, _trimmed(sharding.spec_for(BUFFER_AXES, shape,
+                                                                                               mesh, rules))))
                     for shape, dt in shapes)
     state, extra = jax.device_put((empty.state, empty.extra), NamedSharding(mesh, PartitionSpec()))
     return Cache(buffers, (), state, extra, empty.layout)
+
+
+def _trimmed(spec: PartitionSpec) -> PartitionSpec:
+    """The spec without its trailing Nones: as jit writes the sharding of the buffers `step` returns. JAX tells
+    P(None, 'tensor', None) from P(None, 'tensor'), so an untrimmed buffer would miss every program compiled for
+    the buffers of the step before (a warm-up's included) and compile each shape again."""
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return PartitionSpec(*parts)
 
 
 def _rows(cache: Cache, rows, tables) -> Cache:
@@ -329,7 +340,8 @@ class Runner:
             self.cache = allocate(self.cfg, abstract, buffer_space, blocks, self.rows, max_len, model.dtype,
                                   block_size, self.shard, cross_tokens)
         self.cross = cross_tokens > 0
-        self.counts = self._zeros((1, 1))  # [rows, vocab] once a request uses penalties
+        self.counts = None  # [rows, vocab], from when a request first uses penalties
+        self.no_counts = self._zeros((1, 1))  # what steps without penalties take: their shape never changes
         self.last = self._zeros((self.rows,))  # each row's latest sampled token, for the next decode
         # per row: top-k, seed (int32 bits), logprobs asked for (-1: none) / temperature, top-p, min-p, penalties
         self.row_ints = np.zeros((self.rows, 3), np.int32)
@@ -338,6 +350,7 @@ class Runner:
         self.row_floats[:, F_TOP_P] = 1
         self.sampled = np.zeros(self.rows, np.int32)  # tokens sampled per row so far (the seeded sample's index)
         self.shapes: set = set()
+        self.copy_sizes: set = set()  # copy_blocks sizes compiled
         self.dispatch_s = 0.0  # seconds in the jitted step's call (dispatch; on a CPU maybe part of the work)
         self.compile_s = 0.0  # of which the first calls of each shape (trace and compile)
         self.extend_ok = extends(model, abstract)
@@ -365,6 +378,9 @@ class Runner:
         if not copies:
             return
         n = bucket(len(copies))
+        if n not in self.copy_sizes:
+            self.copy_sizes.add(n)
+            log.info("compiling copy_blocks: %d blocks", n)
         src, dst = [], []
         for s in self.buffer_space:
             mine = [(a, b) for sp, a, b in copies if sp == s]
@@ -375,7 +391,7 @@ class Runner:
 
     def reset_counts(self, row: int, tokens: list[int]) -> None:
         """A request with penalties took `row`: its counts are its generated tokens so far."""
-        if self.counts.shape[0] != self.rows:
+        if self.counts is None:
             self.counts = self._zeros((self.rows, self.cfg.logits_size))
         c = np.bincount(np.asarray(tokens, np.int64), minlength=self.cfg.logits_size).astype(np.int32)
         with sharding.entered(self.shard):
@@ -424,7 +440,7 @@ class Runner:
         want = int(params[:, 2].max())
         top_n = 0 if want <= 0 else MAX_LOGPROBS if want > 5 else 5
         images = None if decode else self._images(pieces, P, T)
-        if penalized and self.counts.shape[0] != self.rows:
+        if penalized and self.counts is None:
             self.counts = self._zeros((self.rows, self.cfg.logits_size))
         key = self._key(how, P, T, sampled, filtered, penalized, top_n, want >= 0, images)
         new = key not in self.shapes
@@ -435,10 +451,14 @@ class Runner:
                      len(self.shapes))
         t = time.perf_counter()
         with sharding.entered(self.shard):
-            self.cache, self.counts, self.last, out = step(
-                self.model.params, self.cache, self.counts, self.last, ints, floats, table[rows], tokens, images,
-                cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=penalized, top_n=top_n,
-                logprobs=want >= 0, splits=self.splits, shard=self.shard)
+            self.cache, counts, self.last, out = step(
+                self.model.params, self.cache, self.counts if penalized else self.no_counts, self.last, ints, floats,
+                table[rows], tokens, images, cfg=self.cfg, how=how, sampled=sampled, filtered=filtered,
+                penalized=penalized, top_n=top_n, logprobs=want >= 0, splits=self.splits, shard=self.shard)
+        if penalized:
+            self.counts = counts
+        else:
+            self.no_counts = counts
         t = time.perf_counter() - t
         self.dispatch_s += t
         self.compile_s += t if new else 0.0
@@ -446,7 +466,7 @@ class Runner:
 
     def _key(self, how, P, T, sampled, filtered, penalized, top_n, logprobs, images) -> tuple:
         """What tells compiled steps apart (beside the model, fixed for the runner)."""
-        return (how, P, T, sampled, filtered, penalized, top_n, logprobs, self.counts.shape,
+        return (how, P, T, sampled, filtered, penalized, top_n, logprobs,
                 None if images is None else tuple(sorted((k, np.shape(a)) for k, a in images.items())))
 
     def lower(self, how: str, P: int, T: int, sampling: str = "greedy"):
@@ -454,18 +474,24 @@ class Runner:
         images), traced and lowered for `jax.stages.Lowered.compile`: once compiled, the `run` that meets this
         shape finds it in JAX's caches instead of compiling while requests wait. None if it is compiled already.
         Lower in the thread that runs the engine (tracing reads its JAX config, e.g. a matmul precision context);
-        compiling may take other threads (XLA compiles without the GIL)."""
+        compiling may take other threads (XLA compiles without the GIL). Returns (the shape's key, for `shapes`
+        once it compiled; the lowered step)."""
         sampled, filtered = WARM_SAMPLING[sampling]
         key = self._key(how, P, T, sampled, filtered, False, 0, False, None)
         if key in self.shapes:
             return None
-        self.shapes.add(key)
         ints, floats = np.zeros((8, P), np.int32), np.zeros((5, P), np.float32)
         tables, tokens = np.zeros((P, self.splits[-1]), np.int32), np.zeros((P, T), np.int32)
         with sharding.entered(self.shard):
-            return step.lower(self.model.params, self.cache, self.counts, self.last, ints, floats, tables, tokens,
-                              None, cfg=self.cfg, how=how, sampled=sampled, filtered=filtered, penalized=False,
-                              top_n=0, logprobs=False, splits=self.splits, shard=self.shard)
+            return key, step.lower(self.model.params, self.cache, self.no_counts, self.last, ints, floats, tables,
+                                   tokens, None, cfg=self.cfg, how=how, sampled=sampled, filtered=filtered,
+                                   penalized=False, top_n=0, logprobs=False, splits=self.splits, shard=self.shard)
+
+    def lower_copy(self, n: int):
+        """copy_blocks of n (a power of two) blocks per buffer, lowered as `copy` will call it."""
+        src = tuple(np.zeros(n, np.int32) for _ in self.cache.buffers)
+        with sharding.entered(self.shard):
+            return copy_blocks.lower(self.cache, src, src, shard=self.shard)
 
     def _images(self, pieces, P: int, T: int) -> dict | None:
         """The image-token embeddings of the chunks' image tokens, piece by piece (rows bucketed, padding

@@ -378,7 +378,7 @@ def test_serve_command(model, tokenizer, tmp_path, reference):
     assert proc.wait(30) == -15
     drain.join(10)
     assert "Application shutdown complete" in rest[0] and "Traceback" not in rest[0], rest
-    assert re.search(r"warm-up: \d+ step shapes compiled", "".join(lines)), lines  # before the address
+    assert re.search(r"warm-up: \d+ programs compiled", "".join(lines)), lines  # before the address
 
 
 def _cli(*args):
@@ -397,8 +397,8 @@ def test_serve_bad_arguments_are_one_line(tmp_path):
     r = _cli("--model", str(tmp_path), "--port", "70000")
     assert r.returncode == 2 and r.stderr == "jaxmodels serve: error: --port must be in [0, 65535], got 70000\n"
     r = _cli("--model", str(tmp_path), "--warmup", "greedy,fast")
-    assert r.returncode == 2 and r.stderr == ("jaxmodels serve: error: --warmup takes 'none' or a list of greedy, "
-                                              "sampled, filtered, got 'fast'\n"), r.stderr
+    assert r.returncode == 2 and r.stderr == ("jaxmodels serve: error: --warmup takes 'none' or a comma-separated "
+                                              "list of greedy, sampled, filtered, got 'greedy,fast'\n"), r.stderr
     r = _cli("--model", str(tmp_path), "--bogus")
     assert r.returncode == 2 and r.stderr.splitlines()[-1] == "jaxmodels: error: unrecognized arguments: --bogus"
     assert "Traceback" not in r.stderr

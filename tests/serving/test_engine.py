@@ -274,27 +274,43 @@ def test_launch_shapes_hold_every_launch_of_every_step(rows, budget, max_chunk):
     assert len(seen) > len(chunk) // 2, "too few shapes met to test the bound"
 
 
-def test_warmup_compiles_every_step_a_run_meets(caplog):
-    """After `Engine.warmup`, a run of greedy and sampled requests of many lengths compiles (and traces) no step
-    at all: JAX's own compile log shows none."""
-    model = _model("llama")
-    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, kv_blocks=160, block_size=4,
-                                        max_num_batched_tokens=64))
+@pytest.mark.parametrize("name,mesh", [("llama", None), ("gemma3", None), ("gemma3", "data=4,tensor=2")])
+def test_warmup_compiles_every_step_a_run_meets(caplog, name, mesh):
+    """After `Engine.warmup`, a run of greedy and sampled requests of many lengths, a request with penalties
+    among them, compiles (and traces) no step and no copy-on-write of text rows: JAX's own compile log shows only
+    the penalized steps (gemma3: sliding-window rings, whose cached blocks are copied; on a mesh too)."""
+    from jaxmodels import sharding
+
+    model = _model(name)
+    if mesh:
+        mesh = sharding.make_mesh(mesh)
+        model = jm.Model(model.config, sharding.shard_params(model.params, model.config, mesh), None, mesh)
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, kv_blocks=160, max_num_batched_tokens=32,
+                                        block_size=3 if name == "gemma3" else 4))  # gemma3: its window of 6
     with pytest.raises(ValueError, match="warm-up sampling must be among"):
         engine.warmup(("greedy", "hot"))
     ticks = []
     n = engine.warmup(("greedy", "sampled"), progress=lambda done, total: ticks.append((done, total)))
-    assert n == 2 * len(engine.launch_shapes()) == len(engine.runner.shapes) and ticks[-1] == (n, n)
-    assert engine.warmup(("greedy",)) == 0  # compiled once
+    assert n == 2 * len(engine.launch_shapes()) + len(engine.copy_sizes()) and ticks[-1] == (n, n)
+    assert len(engine.runner.shapes) == 2 * len(engine.launch_shapes())
+    assert engine.warmup("greedy") == 0  # compiled once
     rng = np.random.default_rng(5)
-    prompts = [list(map(int, rng.integers(0, model.config.vocab_size, n))) for n in rng.integers(1, 80, 24)]
+    shared = list(map(int, rng.integers(0, model.config.vocab_size, 20)))  # prefix hits: cached ring blocks
+    prompts = [shared[:int(k)] + list(map(int, rng.integers(0, model.config.vocab_size, int(n))))
+               for k, n in zip(rng.integers(0, 21, 16), rng.integers(1, 60, 16))]
     hot = SamplingParams(temperature=0.8, max_tokens=NEW, seed=3, ignore_eos=True)
-    params = [GREEDY if i % 3 else hot for i in range(len(prompts))]
-    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+    penalized = SamplingParams(temperature=0, max_tokens=NEW, presence_penalty=0.5, ignore_eos=True)
+    params = [penalized if i == 2 else GREEDY if i % 3 else hot for i in range(len(prompts))]
+    copies, take = [], engine.pool.take_copies
+    engine.pool.take_copies = lambda: copies.append(take()) or copies[-1]
+    with caplog.at_level(logging.INFO), jax.log_compiles():
         _run(engine, prompts, params)
-    steps = [r.getMessage() for r in caplog.records if "jit(step)" in r.getMessage() or "tracing step" in r.getMessage()]
-    assert not steps, steps
-    assert engine.runner.compile_s == 0 and len(engine.runner.shapes) == n
+    ours = [r.getMessage() for r in caplog.records if r.name == "jaxmodels.serving" and "compiling" in r.getMessage()]
+    assert ours and all("penalties=True" in m for m in ours), ours  # only the penalized request's steps were new
+    compiled = [m for r in caplog.records if (m := r.getMessage()).startswith(("Compiling jit(step)",
+                                                                                  "Compiling jit(copy_blocks)"))]
+    assert len(compiled) == len(ours), compiled  # JAX compiled those, once each, and nothing else
+    assert (name == "gemma3") == any(copies), "gemma3's rings were meant to copy cached blocks"
 
 
 @pytest.mark.parametrize("n", [8, 18, 31, 64, 200])
