@@ -220,8 +220,8 @@ class Engine:
 
     def copy_sizes(self) -> list[int]:
         """The block counts (powers of two) a step's copy-on-write may copy: at most the blocks a step's tokens
-        touch, per group (a chunk's first and last block may be partial). None without prefix caching: blocks are
-        shared only through the cache."""
+        touch, per group (a chunk's first and last block may be partial). None without prefix caching (an empty
+        list): blocks are shared only through the cache."""
         if not self.pool.prefix_caching:
             return []
         sch, rows = self.scheduler, self.runner.rows - 1
@@ -242,7 +242,7 @@ class Engine:
         t, workers = time.perf_counter(), workers or min(8, os.cpu_count() or 1)
         pool = ThreadPoolExecutor(workers)
         try:
-            jobs = {}  # future -> the step's key (None for copy_blocks)
+            jobs = {}  # future -> the step's key (a tuple), or copy_blocks' block count (an int)
             for s in dict.fromkeys(sampling):
                 for how, P, T in self.launch_shapes():
                     if (low := self.runner.lower(how, P, T, s)) is not None:
