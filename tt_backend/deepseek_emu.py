@@ -8,6 +8,8 @@ tokenizer runs there). `DeepSeekEmulator(model, numerics=...)` runs the prefill 
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from jaxmodels.plan import plan
@@ -131,14 +133,15 @@ def inputs(cfg, params, histories, positions, prog: TTProgram, tables: dict) -> 
 
     Masks are [rows, n] rules laid out as the program declares them ([1, 1, S, n] prefill, [B, 1, 1, n] decode)."""
     decode = prog.mode == "decode"
-    q = np.asarray(positions)[:, None]  # [rows, 1]
+    q = np.asarray(positions)[:, None]  # [rows, 1]; decode: -1 marks an inactive row (no cache write, masked)
     rows = q.shape[0]
     if decode:
-        ids = np.array([h[-1] for h in histories], np.uint32)[None]
+        ids = np.array([h[-1] if len(h) else 0 for h in histories], np.uint32)[None]
     else:
         ids = np.zeros((1, rows), np.uint32)
         ids[0, :len(histories[0])] = histories[0]
-    out = {"tokens": ids, "rope_pos": q[:, 0].astype(np.uint32)[None]}
+    out = {"tokens": ids, "rope_pos": np.maximum(q[:, 0], 0).astype(np.uint32)[None]}
+    engram_cols = {}
     for name in prog.inputs:
         if name in out:
             continue
@@ -147,16 +150,21 @@ def inputs(cfg, params, histories, positions, prog: TTProgram, tables: dict) -> 
         r = int(rest.split(".")[0][1:]) if kind in ("rope_pos", "vis", "visadd", "newest", "blockvis", "cidx", "cown",
                                                     "cprev", "posmod") else 1
         n = shape[-1] if kind in ("mask", "vis", "visadd", "newest", "blockvis") else None
-        if kind == "page_table":
-            out[name] = tables[int(rest[1:]) if rest else 1]
+        if kind == "page_table":  # per cache ("page_table.kv.<i>.<cache>") or per index space (token, ratio r)
+            out[name] = tables[rest if rest.startswith("kv.") else int(rest[1:]) if rest else 1]
             continue
-        if kind == "cur_pos":
+        if kind == "valid_seq_len":  # the prompt's real length (a ring's fill stops there)
+            v = np.array([len(histories[0])], np.int32)
+        elif kind == "cur_pos":
             v = q[:, 0].astype(np.int32)
         elif kind == "mask":  # the sliding window: the query and the W-1 keys before it
-            W, k = int(rest[1:]), np.arange(n)[None]
-            v = np.where((k <= q) & (k > q - W), 0.0, MASKED)
+            W, *ring = rest.split(".")
+            W, k = int(W[1:]), np.arange(n)[None]
+            if ring:  # decode over a ring of m slots: slot k holds the latest position p <= q with p = k (mod m)
+                k = q - (q - k) % int(ring[0][1:])
+            v = np.where((k >= 0) & (k <= q) & (k > q - W), 0.0, MASKED)
         elif kind == "rope_pos":  # a compressed entry stands at its group's first position
-            v = (np.arange(shape[-1]) * r if not decode else q[:, 0] // r * r).astype(np.uint32)[None]
+            v = (np.arange(shape[-1]) * r if not decode else np.maximum(q[:, 0], 0) // r * r).astype(np.uint32)[None]
         elif kind in ("vis", "visadd", "newest", "blockvis"):
             count = (q + 1) // r  # compressed entries complete for each query
             vis = np.arange(n if kind in ("vis", "visadd") else n * int(rest.split(".")[1][1:]))[None] < count
@@ -179,8 +187,10 @@ def inputs(cfg, params, histories, positions, prog: TTProgram, tables: dict) -> 
             v = np.arange(r)[None] == (q % r)
         elif kind == "engram":
             e = int(rest.split(".")[1])
-            v = (np.concatenate([_engram_cols(cfg, params, np.asarray(h), e)[-1:] for h in histories]) if decode
-                 else _engram_cols(cfg, params, ids[0], e)).reshape(1, -1).astype(np.uint32)
+            if not engram_cols:  # every engram layer's columns from one hashing pass
+                engram_cols["all"] = (_engram_step_cols(cfg, params, histories) if decode
+                                      else _engram_cols(cfg, params, ids[0]))
+            v = engram_cols["all"][:, e].reshape(1, -1).astype(np.uint32)
         else:
             raise KeyError(f"no host rule for input {name!r}")
         v = np.asarray(v)
@@ -188,15 +198,31 @@ def inputs(cfg, params, histories, positions, prog: TTProgram, tables: dict) -> 
     return out
 
 
-def _engram_cols(cfg, params, ids, e: int) -> np.ndarray:
-    """Hash columns of engram layer e for the (padded) prompt: uint32 [1, S * C] (jaxmodels.layers.engram)."""
+def _engram_cols(cfg, params, ids, history=None) -> np.ndarray:
+    """Hash columns of every engram layer for token ids [T] (jaxmodels.layers.engram): [T, layers, C]. history
+    [T, max_ngram-1] (decode: each row one user's token, after those raw ids; -1 where none) continues a
+    sequence instead of starting one."""
     from jaxmodels.layers import engram
 
     g = cfg.engram
     cmap = np.asarray(params["engram_map"])
     layout = engram.EngramLayout.from_config(g.layer_ids, g.max_ngram, g.vocab_size, g.n_heads, g.compressed_vocab)
-    cols = np.asarray(engram.ngram_hashes(cmap[ids.astype(np.int64)][None], layout, cmap[g.pad_token]))
-    return cols[0, :, e]  # [T, C]
+    ids = cmap[np.asarray(ids, np.int64)]
+    if history is None:
+        return np.asarray(engram.ngram_hashes(ids[None], layout, cmap[g.pad_token]))[0]
+    hist = np.where(history >= 0, cmap[np.maximum(history, 0)], engram.DEAD)
+    return np.asarray(engram.ngram_hashes(ids[:, None], layout, cmap[g.pad_token], history=hist))[:, 0]
+
+
+def _engram_step_cols(cfg, params, histories) -> np.ndarray:
+    """Decode: each user's new token (the last of its history) hashed with the max_ngram-1 before it: [B, layers,
+    C]. Fixed shapes, so the hashing compiles once whatever the sequence lengths."""
+    n = cfg.engram.max_ngram - 1
+    hist = np.full((len(histories), n), -1, np.int64)
+    for b, h in enumerate(histories):
+        prev = list(h[-n - 1:-1]) if len(h) else []
+        hist[b, n - len(prev):] = prev
+    return _engram_cols(cfg, params, [h[-1] if len(h) else 0 for h in histories], hist)
 
 
 class DeepSeekEmulator:
@@ -215,9 +241,8 @@ class DeepSeekEmulator:
             return np.asarray(x, F32) if np.asarray(x).dtype.kind == "f" else x
         return num.quantize(x, dtype, "host" if self.level == "storage" else mode)
 
-    def programs(self, T: int, B: int = 1):
-        return lower(self.cfg, prefill_len=T, batch=B, max_seq_len=self.max_seq_len, block_size=self.bs,
-                     policy=self.policy)
+    def programs(self, T: int, B: int = 1, window_ring: int | None = None, per_cache: bool = False):
+        return _lower(self.cfg, T, B, self.max_seq_len, self.bs, self.policy, per_cache, window_ring)
 
     def program(self, T: int) -> TTProgram:
         return self.programs(T).prefill
@@ -234,7 +259,10 @@ class DeepSeekEmulator:
         i, kind = cache_name.split(".")[1:3]
         return self.cfg.layers[int(i)].attention.mla.ratio if kind in ("cmp", "ikeys") else 1
 
-    def _run(self, prog: TTProgram, host: dict, override: dict | None = None) -> dict:
+    def _run(self, prog: TTProgram, host: dict, override: dict | None = None, caches: dict | None = None,
+             owners=None) -> dict:
+        """Run `prog` over `caches` (program cache name -> buffer; default: this emulator's own, one pool per cache)
+        with every cache write checked against `owners` (a paged_cache.RowOwners) when given."""
         self._weights = self._weights or {}
         specs = {k: s for k, s in prog.tensors.items() if s.kind == "weight" and k not in self._weights}
         if specs:  # prepared once; decode adds shape-dependent constants (the candidate expansion over the cache)
@@ -242,14 +270,18 @@ class DeepSeekEmulator:
             self._weights |= {k: self._store(v, specs[k].dtype, "host") for k, v in w.items()}
         t = dict(self._weights)
         for name, s in prog.tensors.items():
-            if s.kind == "state":
+            if s.kind == "state" and caches is not None:
+                if name not in caches:
+                    raise ValueError(f"no buffer for the program's cache {name!r}")
+                t[name] = caches[name]
+            elif s.kind == "state":
                 if name not in self.caches:
                     nb = self.users * self._width(self._ratio(name))
                     self.caches[name] = np.zeros((nb, *s.shape[1:]), F32)
                 t[name] = self.caches[name]
         for k, v in host.items():
             t[k] = self._store(v, prog.tensors[k].dtype, "host") if np.asarray(v).dtype.kind == "f" else v
-        env = Env(self.level, lambda x, dt: self._store(x, dt, "device"))
+        env = Env(self.level, lambda x, dt: self._store(x, dt, "device"), owners=owners)
         for n, c in enumerate(prog.calls):
             fn = OPS.get(c.op)
             if fn is None:
@@ -297,9 +329,117 @@ class DeepSeekEmulator:
         return t if return_all else np.asarray(x, F32).reshape(-1, x.shape[-1])
 
 
+@functools.lru_cache(maxsize=32)
+def _lower(cfg, T, B, max_seq_len, block_size, policy, per_cache, window_ring):
+    return lower(cfg, prefill_len=T, batch=B, max_seq_len=max_seq_len, block_size=block_size, policy=policy,
+                 per_cache_page_tables=per_cache, window_ring=window_ring)
+
+
 def _resolve(v, t):
     if isinstance(v, Ref):
         return t[v.name]
     if isinstance(v, list) and v and all(isinstance(x, Ref) for x in v):  # ttnn.concat's tensor list
         return [t[x.name] for x in v]
     return v
+
+
+def paged_caches(cfg) -> list[dict]:
+    """The program's paged caches (`deepseek_lowering.kv_specs` entries that own a cache, i.e. not reuse layers), in
+    the order of the generator's `kv_cache_specs`: what its per-cache page tables and buffers follow."""
+    from tt_backend.deepseek_lowering import kv_specs
+    from tt_backend.weights import policy as get_policy
+
+    return [c for c in kv_specs(cfg, 32, get_policy("performance")) if "cache" in c]  # names and ratios only
+
+
+class DeepSeekVLLMExecutor:
+    """`tt_backend.generator.Executor` for DeepSeek V4 / V4.1: the lowered programs on the emulator with one page table
+    and one buffer per cache (per-cache tables), listed in `paged_caches` order. The window caches are rings of their
+    ``cache_position_modulo`` tokens. Prefill runs a whole prompt from position 0 (no chunks, no cached prefix);
+    decode takes each row's previous tokens (``history``, for Engram's n-gram hashes, which run on the host).
+
+    Every block a step reads or writes must be in the user's table: -1 there raises, it is not a skip (a decode
+    gathers whole rows through ttnn.embedding, which has no skip rule). Columns past them go to the decode program
+    as block 0, whose rows its masks hide."""
+
+    def __init__(self, model, *, numerics: str = "full", policy="performance", max_seq_len: int = 8192,
+                 block_size: int = 32):
+        self.emu = DeepSeekEmulator(model, numerics=numerics, policy=policy, max_seq_len=max_seq_len,
+                                    block_size=block_size)
+        self.config, self.caches = model.config, paged_caches(model.config)
+
+    def _ring(self, modulo) -> int | None:
+        """The window caches' ring (one for all: every layer has the same window); other caches have none."""
+        modulo = list(modulo or [None] * len(self.caches))
+        if len(modulo) != len(self.caches):
+            raise ValueError(f"cache_position_modulo has {len(modulo)} entries for {len(self.caches)} caches")
+        rings = {m for c, m in zip(self.caches, modulo) if c["kind"] == "window"}
+        if len(rings) != 1 or any(m for c, m in zip(self.caches, modulo) if c["kind"] != "window"):
+            raise ValueError(f"only the window caches are rings, all of one size; got {modulo}")
+        return rings.pop()
+
+    def _tables(self, prog, page_tables, seen, ring) -> dict:
+        """Per program cache: its table at the program's width (-1 past the caller's columns), after checking that
+        each row holds the blocks of its first `seen[row]` tokens (entries: seen // ratio; a ring: its slots)."""
+        if len(page_tables) != len(self.caches):
+            raise ValueError(f"{len(page_tables)} page tables for {len(self.caches)} caches")
+        out, bs = {}, self.emu.bs
+        for c, t in zip(self.caches, page_tables):
+            t = np.asarray(t, np.int32)
+            items = [min(n, ring) if c["kind"] == "window" and ring else n // c["tokens_per_entry"] for n in seen]
+            for row, n in enumerate(items):
+                need = -(-n // bs)
+                if need > t.shape[1] or (t[row, :need] < 0).any():
+                    raise ValueError(f"{c['cache']} ({c['kind']}): row {row} needs blocks for {n} "
+                                     f"{'entries' if c['tokens_per_entry'] > 1 else 'tokens'} ({need} columns), its "
+                                     f"page table has {list(t[row, :need])}")
+            name = f"page_table.{c['cache']}"
+            W = prog.tensors[name].shape[1]
+            full = np.full((t.shape[0], W), -1, np.int32)
+            full[:, :min(W, t.shape[1])] = t[:, :W]
+            out[c["cache"]] = full
+        return out
+
+    def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
+                kv_cache, cache_position_modulo, owners, **multimodal):
+        if chunk_start:
+            raise NotImplementedError(f"DeepSeek prefill runs whole prompts from position 0, not from {chunk_start} "
+                                      "(no chunked prefill or prefix caching)")
+        if multimodal:
+            raise NotImplementedError(f"DeepSeek prefill takes token ids only, not {sorted(multimodal)}")
+        ids = np.asarray(tokens).reshape(-1)
+        T, ring = int(valid_seq_len), self._ring(cache_position_modulo)
+        prog = self.emu.programs(T, 1, ring, per_cache=True).prefill
+        if prog.tensors["tokens"].shape[1] != ids.shape[0]:
+            raise ValueError(f"prefill of {T} tokens runs {prog.tensors['tokens'].shape[1]} rows, got {ids.shape[0]}")
+        host = inputs(self.config, self.emu.model.params, [ids[:T]], np.arange(ids.shape[0]), prog,
+                      self._tables(prog, page_tables, [T], ring))
+        t = self.emu._run(prog, host, caches=self._buffers(kv_cache), owners=owners)
+        return _logits(t, prog)[int(last_token_idx)]
+
+    def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners, history=None):
+        """tokens / positions [B] (-1: an inactive row); history [B, max_ngram-1] each row's previous token ids
+        (-1 where none; needed with Engram) -> logits [B, vocab]."""
+        tokens, positions = np.asarray(tokens).reshape(-1), np.asarray(positions).reshape(-1)
+        B, ring = len(tokens), self._ring(cache_position_modulo)
+        if positions.max(initial=-1) >= self.emu.max_seq_len:
+            raise ValueError(f"position {positions.max()} >= max_seq_len={self.emu.max_seq_len}")
+        if self.config.engram is not None and history is None:
+            raise ValueError("Engram hashes each token with the ones before it: decode needs history")
+        prev = np.full((B, 0), -1) if history is None else np.asarray(history)
+        histories = [[int(x) for x in h if x >= 0] + [int(t)] for h, t in zip(prev, tokens)]
+        prog = self.emu.programs(1, B, ring, per_cache=True).decode
+        tables = self._tables(prog, page_tables, [max(int(q) + 1, 0) for q in positions], ring)
+        tables = {k: np.maximum(t, 0) for k, t in tables.items()}  # ttnn.embedding reads every column
+        host = inputs(self.config, self.emu.model.params, histories, positions, prog, tables)
+        return _logits(self.emu._run(prog, host, caches=self._buffers(kv_cache), owners=owners), prog)
+
+    def _buffers(self, kv_cache) -> dict:
+        if len(kv_cache) != len(self.caches):
+            raise ValueError(f"kv_cache has {len(kv_cache)} entries for {len(self.caches)} caches")
+        return {c["cache"]: buf[0] for c, buf in zip(self.caches, kv_cache)}
+
+
+def _logits(t: dict, prog: TTProgram) -> np.ndarray:
+    x = t[prog.outputs[0]]
+    return np.asarray(x, F32).reshape(-1, x.shape[-1])

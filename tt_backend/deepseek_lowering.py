@@ -29,12 +29,15 @@ rows of the compressor group a decode step closes) are host inputs, as Gemma3's 
 `tt_backend.lowering`.
 
 Caches (program "state" tensors, paged [blocks, 1, block_size, width], one block pool each; `kv_specs` lists them
-for a generator): "kv.<i>.window" (every layer; token-indexed, full length, the window applied on the read side),
-"kv.<i>.cmp" and "kv.<i>.ikeys" (kv sources; entry-indexed: one row per `ratio` tokens), "kv.<i>.cstate.a/.g" and
-V4's "kv.<i>.istate.a/.g" (the compressor's per-token projections and gates, fp32, token-indexed). Token-indexed
-caches read "page_table" [users, max_seq/block], entry-indexed ones "page_table.r<ratio>". Prefill fills them
-(paged_fill_cache); decode writes the token's rows (paged_update_cache; a compressed entry only when its group
-completes, index -1 otherwise) and reads each user's blocks back through ttnn.embedding over its page table.
+for a generator): "kv.<i>.window" (every layer; token-indexed, full length with the window applied on the read
+side, or a ring of `window_ring` tokens), "kv.<i>.cmp" and "kv.<i>.ikeys" (kv sources; entry-indexed: one row per
+`ratio` tokens), "kv.<i>.cstate.a/.g" and V4's "kv.<i>.istate.a/.g" (the compressor's per-token projections and
+gates, fp32, token-indexed). Token-indexed caches read "page_table" [users, max_seq/block], entry-indexed ones
+"page_table.r<ratio>"; with per-cache tables each cache reads "page_table.<cache>" (a ring: ring/block columns).
+Prefill fills them (paged_fill_cache); decode writes the token's rows (paged_update_cache; a compressed entry only
+when its group completes, index -1 otherwise) and reads each user's blocks back through ttnn.embedding over its
+page table. ttnn.embedding has no "-1: skip" rule, so every entry a decode reads must name a real block; the host
+puts one where a user has none (the rows are masked).
 """
 from __future__ import annotations
 
@@ -81,20 +84,30 @@ class _DS:
     """Emits one DeepSeek prefill program (rows S) into a `builder.Builder`."""
 
     def __init__(self, cfg: ModelConfig, prec: Precision, S: int, max_seq_len: int, mode: str = "prefill",
-                 block_size: int = 32):
+                 block_size: int = 32, per_cache_tables: bool = False, window_ring: int | None = None):
         # S: the rows of the program (prefill: the padded prompt of one user; decode: one token of each of S users)
         self.cfg, self.prec, self.S, self.max_seq_len, self.mode, self.bs = cfg, prec, S, max_seq_len, mode, block_size
+        self.per_cache, self.ring = per_cache_tables, window_ring
         self.decode = mode == "decode"
         self.users = S if self.decode else 1
         self.b = Builder(cfg, prec, "prefill")  # DRAM activations in both modes (no sharded decode layouts yet)
         self.inputs: list[str] = []
         self.state: dict[str, str] = {}  # what kv/index sources publish for later layers (tensor names)
 
-    # -- paged caches: token-indexed ("page_table") or entry-indexed per ratio ("page_table.r<r>")
-    def table(self, r: int = 1) -> str:
-        name = "page_table" if r == 1 else f"page_table.r{r}"
-        width = -(-(self.max_seq_len // r) // self.bs)
+    # -- paged caches: token-indexed ("page_table") or entry-indexed per ratio ("page_table.r<r>"), or one table per
+    # cache ("page_table.<cache>": hybrid KV groups, each cache kind its own blocks)
+    def ring_of(self, cache) -> int | None:
+        """The ring (cache_position_modulo) of a window cache, None for full-length caches."""
+        return self.ring if cache.endswith(".window") else None
+
+    def table(self, cache, r: int = 1) -> str:
+        name = f"page_table.{cache}" if self.per_cache else "page_table" if r == 1 else f"page_table.r{r}"
+        ring = self.ring_of(cache)
+        width = ring // self.bs if ring else -(-(self.max_seq_len // r) // self.bs)
         return mask_input(self, name, (self.users, width), I32, RM)
+
+    def ring_kw(self, cache) -> dict:
+        return {"cache_position_modulo": self.ring_of(cache)} if self.ring_of(cache) else {}
 
     def cache(self, name, width, dtype=None):
         if name not in self.b.tensors:
@@ -112,20 +125,25 @@ class _DS:
                         x + ".pad", (*shape[:2], rows, shape[3]), self.b.tensors[x].dtype)
         if self.b.tensors[x].dtype != spec.dtype:
             x = self.op("ttnn.typecast", [x], {"dtype": spec.dtype}, x + ".tc", self.b.tensors[x].shape, spec.dtype)
-        self.b.call("ttnn.experimental.paged_fill_cache", [cache, x, self.table(r)], {"batch_idx": 0}, (), ())
+        kw = self.ring_kw(cache)
+        if kw:  # a ring keeps the last `ring` tokens: stop at the real length, not the padded one
+            kw["valid_seq_len_tensor"] = Ref(mask_input(self, "valid_seq_len", (1,), I32, RM))
+        self.b.call("ttnn.experimental.paged_fill_cache", [cache, x, self.table(cache, r)], {"batch_idx": 0, **kw},
+                    (), ())
 
     def update(self, cache, x, idx, r=1):
         """Decode: one row per user x [1,1,B,w] written at idx [B] (-1 skips the user)."""
         B, w = self.S, self.b.tensors[x].shape[-1]
         row = self.reshape(x, (1, B, 1, w), x + ".row", self.b.tensors[x].dtype if self.b.tensors[x].dtype == F32 else BF16)
         self.b.call("ttnn.experimental.paged_update_cache", [cache, row],
-                    {"update_idxs_tensor": Ref(idx), "page_table": Ref(self.table(r))}, (), ())
+                    {"update_idxs_tensor": Ref(idx), "page_table": Ref(self.table(cache, r)), **self.ring_kw(cache)},
+                    (), ())
 
     def gather(self, cache, r, out):
         """Decode: every user's cached rows as [B, 1, L, w] (ttnn.embedding over the page table reads whole
         blocks); what a query may see is decided by masks."""
         B, w, bs = self.S, self.b.tensors[cache].shape[-1], self.bs
-        tab = self.table(r)
+        tab = self.table(cache, r)
         Wp = self.b.tensors[tab].shape[1]
         flat = self.op("ttnn.reshape", [cache], {"shape": [-1, bs * w]}, out + ".flat", (None, bs * w),
                        self.b.tensors[cache].dtype)
@@ -313,7 +331,8 @@ class _DS:
         nw = self.b.tensors[kv].shape[2]
         zw = self.matmul(q, kv, f"{nm}.zw_raw", (*qs, nw), F32, transpose_b=True)
         zw = self.scal("ttnn.mul", zw, scale, f"{nm}.zw_s", (*qs, nw), F32)
-        wmask = mask_input(self, f"mask.w{a.window}", self.rowshape(nw))
+        ring = f".m{self.ring}" if self.decode and self.ring else ""  # decode reads ring slots, not positions
+        wmask = mask_input(self, f"mask.w{a.window}{ring}", self.rowshape(nw))
         zw = self.bin("ttnn.add", zw, wmask, f"{nm}.zw", (*qs, nw), F32)
         blocks, values = [zw], [kv]
         if m.ratio:
@@ -708,9 +727,13 @@ def rope_key(rope) -> str:
 
 # ------------------------------------------------------------------------------------------------- lowering
 def lower(cfg: ModelConfig, *, prefill_len: int = 128, batch: int = 32, max_seq_len: int = 8192, block_size: int = 32,
-          policy="performance") -> TTModelProgram:
+          policy="performance", per_cache_page_tables: bool = False, window_ring: int | None = None) -> TTModelProgram:
     """DeepSeek's prefill program for one prompt of `prefill_len` tokens (padded to 128) and decode program for
-    `batch` users, over paged caches of `block_size` rows (`kv_specs`; the programs' "state" tensors)."""
+    `batch` users, over paged caches of `block_size` rows (`kv_specs`; the programs' "state" tensors).
+
+    per_cache_page_tables: every cache reads its own "page_table.<cache>" (hybrid KV groups: each kind, each layer
+    its own blocks) instead of one table per index space. window_ring: the window caches are rings of that many
+    tokens (cache_position_modulo; the prefill fill stops at "valid_seq_len"); needs per-cache tables."""
     prec = get_policy(policy)
     if policy == "performance":
         # measured on the tiny V4.1 (per-layer PCC vs exact): bfp4/LoFi experts 0.95; bfp8 experts 0.986, the rest
@@ -728,11 +751,19 @@ def lower(cfg: ModelConfig, *, prefill_len: int = 128, batch: int = 32, max_seq_
     check_decode_batch(batch)
     if block_size % TILE:
         raise TTConstraintError(f"block_size={block_size} is not a multiple of {TILE}")
-    prefill = _DS(cfg, prec, S, max_seq_len, "prefill", block_size).program()
-    decode = _DS(cfg, prec, batch, max_seq_len, "decode", block_size).program()
+    if window_ring is not None:
+        windows = {s.attention.window for s in cfg.layers}
+        if not per_cache_page_tables:
+            raise NotImplementedError("a window ring is addressed by its own page table: pass per_cache_page_tables")
+        if window_ring % block_size or window_ring < max(windows):
+            raise TTConstraintError(f"window_ring={window_ring} must be a multiple of block_size={block_size} and "
+                                    f"hold the window ({max(windows)})")
+    opts = dict(block_size=block_size, per_cache_tables=per_cache_page_tables, window_ring=window_ring)
+    prefill = _DS(cfg, prec, S, max_seq_len, "prefill", **opts).program()
+    decode = _DS(cfg, prec, batch, max_seq_len, "decode", **opts).program()
     return TTModelProgram(prefill=prefill, decode=decode,
                           meta={"family": cfg.family, "policy": prec.name, "max_seq_len": max_seq_len,
-                                "block_size": block_size, "num_layers": cfg.num_layers,
+                                "block_size": block_size, "num_layers": cfg.num_layers, "window_ring": window_ring,
                                 "kv_cache_specs": kv_specs(cfg, block_size, prec)})
 
 

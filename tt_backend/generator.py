@@ -45,9 +45,14 @@ Not done (raise rather than run something else): non-greedy device sampling and 
 asynchronous readback (``read_from_device=False`` returns a handle that `read_decode_output` resolves, but
 nothing overlaps), images with a cached prefix or in a chunked prefill, and prefix caching or chunked
 prefill into sliding rings (the lowering refuses it, as tt-metal; with ``hybrid_kv_cache_groups=False``, the
-default, sliding layers keep full-length caches and both work). DeepSeek's specs are exposed and
-`tt_backend.deepseek_emu.DeepSeekEmulator` runs its prefill and decode programs over those paged caches, but the
-generator's ``prefill_forward`` / ``decode_forward`` do not drive them yet.
+default, sliding layers keep full-length caches and both work).
+
+DeepSeek V4 / V4.1 (`DeepseekV4ForCausalLM`) run through the same ``prefill_forward`` / ``decode_forward``, over
+its hybrid caches by kind: every cache of `kv_cache_specs` (per layer a window ring; on kv sources compressed
+CSA / HCA entries, indexer keys, compressor state) has its own buffer and page table, passed by name
+(``page_tables_per_layer={name: table}``); the default executor is `deepseek_emu.DeepSeekVLLMExecutor`. Its
+prompts prefill whole from position 0 (no prefix caching or chunked prefill), and the generator keeps each slot's
+last tokens for Engram's host-side n-gram hashes (moved by ``slot_remap`` with the other slot state).
 
 Deliberate differences from tt-metal (each guards a silent-corruption path it has):
 * A user's prefill page table holds only the blocks that cover its prompt; the padded tail's entries
@@ -73,7 +78,9 @@ from typing import Any, Hashable, Protocol, Sequence
 import numpy as np
 
 from jaxmodels.config import ModelConfig
+from jaxmodels.plan import model_state_specs
 from tt_backend import deepseek_lowering, paged_cache as pc
+from tt_backend.deepseek_emu import paged_caches
 from tt_backend.emu.executor import VLLMExecutor, executor_factory as emulator_factory
 from tt_backend.lowering import padded_prefill_len
 from tt_backend.weights import policy as get_policy
@@ -94,8 +101,10 @@ class ReloadContractError(ValueError):
 class Executor(Protocol):
     """One model replica (one data-parallel submesh) running forward passes over paged caches.
 
-    ``page_tables`` / ``kv_cache`` / ``cache_position_modulo`` are per layer (layers sharing a
-    ``tensor_idx`` get the same buffer objects). Ownership checks, when given, apply to every cache write.
+    ``page_tables`` / ``kv_cache`` / ``cache_position_modulo`` are per cache: per layer, or (DeepSeek) per
+    `kv_cache_specs` entry, in `Generator.cache_names` order (caches sharing a ``tensor_idx`` get the same buffer
+    objects). Ownership checks, when given, apply to every cache write. A model with Engram also gets
+    ``history`` in decode: int [b, max_ngram-1], each row's previous token ids (-1 where none).
     """
 
     config: ModelConfig
@@ -365,6 +374,7 @@ class Generator:
     # runs "on device".
     model_capabilities: dict = {"supports_prefix_caching": True}
     _HYBRID_KV_CACHE_GROUPS_ENABLED = False
+    serves_deepseek = False  # DeepseekV4ForCausalLM: page tables and buffers per cache kind, not per layer
     prefill_page_table_mode = "safe"  # "tt": tt-metal's per-user page table (pad tail through the vLLM row)
 
     def __init__(self, executors: Sequence[Executor], mesh_device: EmulatedMesh | None = None, *,
@@ -393,6 +403,12 @@ class Generator:
         self._cross_rows: list[np.ndarray | None] = [None] * max_batch_size
         self._resident: list[_Resident | None] = [None] * self.data_parallel
         self._trace: _Trace | None = None
+        if deepseek_lowering.is_deepseek(self.config) != self.serves_deepseek:
+            raise ValueError(f"{type(self).__name__} cannot serve this {self.config.family} model: DeepSeek V4 / V4.1 "
+                             "(caches per kind) are served by DeepseekV4ForCausalLM, other models by their own class")
+        # per slot: the token ids of its last positions that host-side inputs need (Engram's n-grams), -1 where none
+        n = sum(st.shape[0] for st in model_state_specs(self.config) if st.name == "engram_history")
+        self._history = np.full((max_batch_size, n), -1, np.int32)
         self._owners: tuple[Sequence[pc.BlockAllocator], Sequence[Hashable | None]] | None = None
 
     # ---- construction -------------------------------------------------------------------------
@@ -493,6 +509,21 @@ class Generator:
             raise ValueError("allocate the KV cache first: the ring capacity depends on its block size")
         return [None if s.attention.window is None else sliding_ring_capacity(s.attention.window, self.block_size)
                 for s in self.config.layers]
+
+    def cache_names(self) -> list[str]:
+        """The caches kv_cache lists and page tables follow, by their `kv_cache_specs` names: one per layer."""
+        return list(kv_cache_specs(self.config, self.block_size or 32, "bfloat16"))
+
+    def tokens_per_entry(self) -> list[int]:
+        """Per cache (`cache_names` order): tokens per cache row; 1 for token caches."""
+        return [1] * self.config.num_layers
+
+    def _cache_label(self, i: int) -> str:
+        return f"layer {i}"
+
+    def _cross_caches(self) -> set[int]:
+        """The caches of cross-attention layers (written by prefill only, through ``cross_page_table``)."""
+        return {i for i, s in enumerate(self.config.layers) if s.attention.kind == "cross"}
 
     # ---- ownership (emulator only) --------------------------------------------------------------
     def track_block_ownership(self, allocators: Sequence[pc.BlockAllocator],
@@ -609,7 +640,16 @@ class Generator:
                 kv_cache[model_id], model_id, self._row_owners(model_id, [slot]), embeddings, blocks, cross)
             if crossing:  # what this slot's decode rows see; a request without images clears the last one's
                 self._cross_rows[slot] = None if cross is None else cross.tiles[-1].copy()
+            self._remember(slot, tokens[idx, :seq_len])
         return out
+
+    def _remember(self, slot: int, tokens) -> None:
+        """Keep the last tokens of slot's sequence that the next decode step's host inputs need."""
+        n = self._history.shape[1]
+        if n:
+            tail = np.asarray(tokens, np.int32)[-n:]
+            self._history[slot] = -1
+            self._history[slot, n - len(tail):] = tail
 
     @property
     def max_cross_attn_tokens(self) -> int:
@@ -713,20 +753,19 @@ class Generator:
             image["image_blocks"] = np.full(padded, -1, np.int32)
             image["image_blocks"][:n_new] = blocks
         user_tables = []
-        for row, m in zip(rows, modulo):
+        for row, m, r in zip(rows, modulo, self.tokens_per_entry()):
             if m:  # a sliding ring: the whole ring row; the fill wraps and stops at the real length
                 if row.shape[0] < m // bs:
                     raise ValueError(f"a ring of {m} tokens needs {m // bs} page-table columns, got {row.shape[0]}")
                 user_tables.append(np.asarray(row[None, : m // bs], np.int32))
             elif self.prefill_page_table_mode == "tt":
-                user_tables.append(pc.raw_prefill_page_table(row, n_cached + padded, bs))
-            else:
-                user_tables.append(pc.prefill_page_table(row, seq_len, n_cached + padded, bs))
+                user_tables.append(pc.raw_prefill_page_table(row, -(-(n_cached + padded) // r), bs))
+            else:  # entry caches (r tokens a row): the prompt's complete entries; the padded rows' entries
+                user_tables.append(pc.prefill_page_table(row, seq_len // r, -(-(n_cached + padded) // r), bs))
         written = [set(t[0, n_cached // bs:][t[0, n_cached // bs:] >= 0].tolist()) for t in user_tables]
-        for layer, spec in enumerate(self.config.layers):
-            if spec.attention.kind == "cross":  # writes its image K/V through the cross table, or nothing
-                own = np.asarray(cross.page_table)[:-(-cross.states.shape[0] // bs)] if cross is not None else []
-                written[layer] = {int(x) for x in own if x >= 0}
+        for layer in self._cross_caches():  # writes its image K/V through the cross table, or nothing
+            own = np.asarray(cross.page_table)[:-(-cross.states.shape[0] // bs)] if cross is not None else []
+            written[layer] = {int(x) for x in own if x >= 0}
         _check_shared_writes(kv, dict(enumerate(written)))
         if cross is not None:
             image["cross"] = cross
@@ -834,34 +873,41 @@ class Generator:
                 self._resident[i].page_tables = [t[i].copy() for t in table_parts]
             if reload_inputs or reload_page_table:
                 self._resident[i].cross_page_table = None if cross_parts[i] is None else cross_parts[i].copy()
+        per = self.tokens_per_entry()  # the row a position writes: position // per (a ring: position % m)
+        for r in self._resident:  # before a trace captures what cannot run
+            top = int(r.positions.max(initial=-1))
+            if top >= self.max_seq_len:
+                raise ValueError(f"decode position {top} >= max_seq_len={self.max_seq_len}")
+            for layer, (t, m, n) in enumerate(zip(r.page_tables, modulo, per)):
+                if (m and t.shape[1] * bs < m) or (not m and top // n // bs >= t.shape[1]):
+                    raise ValueError(f"{self._cache_label(layer)}: a page table of {t.shape[1]} blocks of {bs} "
+                                     f"cannot address {f'a ring of {m}' if m else f'position {top}'}")
         if enable_trace and self._trace is None:
             self._trace = self._trace_signature(kv_cache)  # capture
 
         parts = []
         for i in range(dp):
             r = self._resident[i]
-            top = int(r.positions.max(initial=-1))
-            for layer, (t, m) in enumerate(zip(r.page_tables, modulo)):
-                if (m and t.shape[1] * bs < m) or (not m and top // bs >= t.shape[1]):
-                    raise ValueError(f"layer {layer}: a page table of {t.shape[1]} blocks of {bs} cannot address "
-                                     f"{f'a ring of {m}' if m else f'position {top}'}")
             writes = {}
-            for layer, (t, m) in enumerate(zip(r.page_tables, modulo)):
-                if self.config.layers[layer].attention.kind == "cross":
+            for layer, (t, m, n) in enumerate(zip(r.page_tables, modulo, per)):
+                if layer in self._cross_caches():
                     continue  # a cross layer writes nothing in decode
-                q = np.where(r.positions >= 0, r.positions % m if m else r.positions, -1)
+                q = np.where(r.positions >= 0, r.positions % m if m else r.positions // n, -1)
                 rows = np.flatnonzero((q >= 0) & (q // bs < t.shape[1]))
                 blocks = t[rows, q[rows] // bs]
                 writes[layer] = {int(b) for b in blocks if b >= 0}
             _check_shared_writes(kv_cache[i], writes)
             slots = range(i * self.max_batch_size_per_model, i * self.max_batch_size_per_model + len(r.tokens))
+            fed, active = r.tokens.copy(), r.positions >= 0
+            history = {"history": self._history[list(slots)].copy()} if self._history.shape[1] else {}
             logits = np.asarray(self.model[i].decode(
                 r.tokens.copy(), r.positions.copy(), page_tables=r.page_tables, kv_cache=kv_cache[i],
                 cache_position_modulo=modulo, owners=self._row_owners(i, list(slots)),
-                **self._cross_decode(r, slots)), np.float32)
+                **self._cross_decode(r, slots), **history), np.float32)
+            for slot, tok in zip(np.asarray(slots)[active], fed[active]):
+                self._remember(slot, [*self._history[slot], tok])
             if greedy:
                 nxt = np.argmax(logits, axis=-1).astype(np.int32)
-                active = r.positions >= 0
                 r.tokens[active] = nxt[active]  # token feedback into the persistent input
                 r.positions[active] += 1  # one position advance per decode
                 r.device_sampled = True
@@ -942,6 +988,7 @@ class Generator:
                 raise ValueError(f"slot_remap moves a request across data-parallel submesh {i}")
             base = i * self.max_batch_size_per_model  # Mllama: what each slot's rows see moves with the slot
             self._cross_rows[base:base + stride] = [self._cross_rows[base + o] for o in local]
+            self._history[base:base + stride] = self._history[[base + o for o in local]]
             if r is None:
                 continue
             if len(r.tokens) != stride:
@@ -1144,3 +1191,94 @@ class MllamaForConditionalGeneration(Generator):
 class GptOssForCausalLM(HybridAttentionForCausalLM):
     pass
 
+
+
+# ------------------------------------------------------------------------------------------------ DeepSeek
+class DeepseekV4ForCausalLM(Generator):
+    """DeepSeek V4 / V4.1: hybrid KV caches by kind (`kv_cache_specs`: per layer a window ring, and on kv sources the
+    compressed CSA / HCA entries, indexer keys and compressor state), each with its own page table and buffer, run
+    by `deepseek_emu.DeepSeekVLLMExecutor` (the default executor factory picks it).
+
+    Caches are listed in `cache_names` order (the `kv_cache_specs` names): ``allocate_kv_cache_per_layer({name:
+    (shape, dtype, tensor_idx)})`` returns ``[submesh][cache][0]`` buffers ``[num_blocks, 1, block_size, width]``
+    (one tensor: the latent is read as both K and V); ``prefill_forward`` / ``decode_forward`` take
+    ``page_tables_per_layer={name: int32 [batch, W]}``: token caches index positions, compressed / indexer caches
+    entries (position // ratio), window rings ``sliding_ring_capacity`` tokens (``cache_position_modulo``).
+    Prompts prefill whole, from position 0: no prefix caching, no chunked prefill (``max_prefill_chunk_size`` bounds
+    a prompt). Engram's n-gram hashes run on the host from each slot's last tokens, which the generator keeps."""
+
+    serves_deepseek = True
+    model_capabilities = {"supports_prefix_caching": False}
+
+    def _caches(self) -> list[dict]:
+        return paged_caches(self.config)
+
+    def cache_names(self) -> list[str]:
+        names = list(kv_cache_specs(self.config, self.block_size or 32, "bfloat16"))
+        assert len(names) == len(self._caches()), "kv_cache_specs and the program's caches disagree"
+        return names
+
+    def _cache_label(self, i: int) -> str:
+        return self.cache_names()[i]
+
+    def _cross_caches(self) -> set[int]:
+        return set()
+
+    def tokens_per_entry(self) -> list[int]:
+        return [c["tokens_per_entry"] for c in self._caches()]
+
+    def cache_position_modulo(self) -> list[int | None]:
+        """The window caches are rings (DeepSeek declares them `SlidingWindowSpec`s); the others full length."""
+        bs = self._require_block_size()
+        return [sliding_ring_capacity(c["ring"], bs) if c["kind"] == "window" else None for c in self._caches()]
+
+    def allocate_kv_cache(self, kv_cache_shape, dtype, num_layers):
+        raise ValueError("DeepSeek's caches differ by kind (width, tokens per row): allocate_kv_cache_per_layer("
+                         "{name: (shape, dtype, tensor_idx)}) with the kv_cache_specs names")
+
+    def allocate_kv_cache_per_layer(self, per_layer_specs):
+        """``{name: (shape, dtype, tensor_idx)}`` for every `cache_names` entry -> ``[submesh][cache][0]`` zero
+        buffers; caches with one tensor_idx share one buffer (their page tables must map disjoint blocks)."""
+        names = self.cache_names()
+        if not isinstance(per_layer_specs, dict) or set(per_layer_specs) != set(names):
+            got = sorted(per_layer_specs) if isinstance(per_layer_specs, dict) else type(per_layer_specs).__name__
+            raise ValueError(f"DeepSeek caches are allocated by name: need exactly {names}, got {got}")
+        specs = kv_cache_specs(self.config, per_layer_specs[names[0]][0][2], "bfloat16")
+        for name in names:
+            shape, spec = tuple(per_layer_specs[name][0]), specs[name]
+            want = (spec.num_kv_heads, spec.block_size, spec.head_size)
+            if len(shape) != 4 or shape[1:] != want:
+                raise ValueError(f"{name}: kv_cache_shape {shape} must be [num_blocks, {', '.join(map(str, want))}]")
+        self.block_size = self.block_size or specs[names[0]].block_size
+        if any(s.block_size != self.block_size for s in specs.values()):
+            raise ValueError(f"block_size {specs[names[0]].block_size} differs from the generator's {self.block_size}")
+        pairs = [pc.allocate_shared_buffers([(s, _np_dtype(d), t) for s, d, t in
+                                             (per_layer_specs[n] for n in names)]) for _ in range(self.data_parallel)]
+        return [[pair[:1] for pair in sub] for sub in pairs]
+
+    def _page_tables_per_layer(self, page_table, page_tables_per_layer) -> list[np.ndarray]:
+        names = self.cache_names()
+        if not isinstance(page_tables_per_layer, dict):
+            why = " (one page_table cannot address entry-indexed caches)" if page_table is not None else ""
+            raise ValueError("DeepSeek's caches are addressed per kind: pass page_tables_per_layer={name: int32 "
+                             f"[batch, blocks]}} for {names}{why}")
+        if set(page_tables_per_layer) != set(names):
+            missing, extra = sorted(set(names) - set(page_tables_per_layer)), sorted(set(page_tables_per_layer) -
+                                                                                   set(names))
+            raise ValueError(f"page_tables_per_layer: missing {missing}, unknown {extra}")
+        tables = [np.asarray(page_tables_per_layer[n]) for n in names]
+        for name, t in zip(names, tables):
+            if t.ndim != 2 or not np.issubdtype(t.dtype, np.integer) or t.shape[0] != tables[0].shape[0]:
+                raise ValueError(f"page table {name}: must be an integer [batch, blocks] array with as many rows as "
+                                 f"the others ({tables[0].shape[0]}), got {t.dtype} {list(t.shape)}")
+        return [t.astype(np.int32) for t in tables]
+
+    def _check_kv(self, kv_cache) -> None:
+        n = len(self._caches())
+        if kv_cache is None or len(kv_cache) != self.data_parallel or any(len(sub) != n for sub in kv_cache):
+            raise ValueError(f"kv_cache must hold, per submesh ({self.data_parallel}), one [buffer] per cache ({n}, in "
+                             "cache_names order): allocate_kv_cache_per_layer's result")
+
+
+class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
+    pass

@@ -35,6 +35,7 @@ For `tt_backend.generator` (vLLM contract), `VLLMExecutor` implements its `Execu
                         layer int | None], owners=)                  # -> [vocab]
     logits = ex.decode(tokens[b], positions[b], page_tables=, kv_cache=, cache_position_modulo=, owners=)
     make = executor_factory(model, numerics="full")   # initialize_vllm_model(executor_factory=make)
+    #   (DeepSeek models get `deepseek_emu.DeepSeekVLLMExecutor`: one page table and buffer per cache kind)
 
   - chunk_start > 0 (a later prefill chunk, or a cached prefix): the chunk is filled through its
     chunk_page_tables and attends to everything before it through the cache
@@ -57,6 +58,8 @@ import functools
 import numpy as np
 
 from tt_backend import cross_attention, paged_cache, precision
+from tt_backend.deepseek_emu import DeepSeekVLLMExecutor
+from tt_backend.deepseek_lowering import is_deepseek
 from tt_backend.emu import numerics
 from tt_backend.emu.ops import OPS, Env
 from tt_backend.lowering import PREFILL_MULTIPLE, attention_masks, check_decode_batch, lower, padded_prefill_len
@@ -293,8 +296,8 @@ def executor_factory(model, *, numerics: str = "full", policy: str | None = None
         pol = policy or (optimizations if isinstance(optimizations, str) else "performance")
         # a prefill continuing a cached prefix pads up to 127 tokens past max_seq_len (whole 128-row programs)
         room = -(-(max_seq_len + PREFILL_MULTIPLE - 1) // block_size) * block_size
-        return VLLMExecutor(first_layers(model, config), numerics=numerics, policy=pol, max_seq_len=room,
-                            block_size=block_size)
+        cls = DeepSeekVLLMExecutor if is_deepseek(config) else VLLMExecutor  # mHC + MLA: its own lowering and caches
+        return cls(first_layers(model, config), numerics=numerics, policy=pol, max_seq_len=room, block_size=block_size)
 
     return make
 
