@@ -4,7 +4,9 @@
 leading dims, as ttnn stores them; the mHC scale triple spread over the 24 mix columns; the Engram q*k product;
 full-width RoPE tables and the pair-swap matrix; the candidate-block expansion matrix). `inputs(cfg, model, tokens,
 S)` makes the position-derived masks and the Engram hash columns (int64 n-gram hashing on the host, as the
-tokenizer runs there). `DeepSeekEmulator(model, numerics=...)` runs the prefill program on `tt_backend.emu`'s ops.
+tokenizer runs there). `DeepSeekEmulator(model, numerics=...)` runs the prefill and decode programs on
+`tt_backend.emu`'s ops over caches of its own; `DeepSeekVLLMExecutor` runs them for `tt_backend.generator` over the
+generator's caches and page tables, one per cache kind and layer.
 """
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import functools
 import numpy as np
 
 from jaxmodels.plan import plan
-from tt_backend.deepseek_lowering import BIG, lower, rope_key
+from tt_backend.deepseek_lowering import BIG, kv_specs, lower, rope_key
 from tt_backend.emu import numerics as num
 from tt_backend.emu.ops import OPS, Env
 from tt_backend.lowering import MASKED, padded_prefill_len
 from tt_backend.program import Ref, TTProgram
+from tt_backend.weights import policy as get_policy
 
 F32 = np.float32
 
@@ -310,8 +313,7 @@ class DeepSeekEmulator:
         host = inputs(self.cfg, self.model.params, [tokens], np.arange(S), prog,
                       {r: v for r, v in self._tables([user]).items()})
         t = self._run(prog, host, override)
-        x = t[prog.outputs[0]]
-        return t if return_all else np.asarray(x, F32).reshape(-1, x.shape[-1])[:T]
+        return t if return_all else _logits(t, prog)[:T]
 
     def decode(self, tokens, positions, return_all: bool = False):
         """One token per user (users 0..B-1) at `positions` -> logits [B, vocab]; caches updated in place."""
@@ -325,8 +327,7 @@ class DeepSeekEmulator:
         host = inputs(self.cfg, self.model.params, [np.asarray(self.history[b]) for b in range(B)], positions, prog,
                       self._tables(range(B)))
         t = self._run(prog, host)
-        x = t[prog.outputs[0]]
-        return t if return_all else np.asarray(x, F32).reshape(-1, x.shape[-1])
+        return t if return_all else _logits(t, prog)
 
 
 @functools.lru_cache(maxsize=32)
@@ -346,9 +347,6 @@ def _resolve(v, t):
 def paged_caches(cfg) -> list[dict]:
     """The program's paged caches (`deepseek_lowering.kv_specs` entries that own a cache, i.e. not reuse layers), in
     the order of the generator's `kv_cache_specs`: what its per-cache page tables and buffers follow."""
-    from tt_backend.deepseek_lowering import kv_specs
-    from tt_backend.weights import policy as get_policy
-
     return [c for c in kv_specs(cfg, 32, get_policy("performance")) if "cache" in c]  # names and ratios only
 
 
@@ -386,6 +384,8 @@ class DeepSeekVLLMExecutor:
         out, bs = {}, self.emu.bs
         for c, t in zip(self.caches, page_tables):
             t = np.asarray(t, np.int32)
+            if t.ndim != 2 or t.shape[0] < len(seen):
+                raise ValueError(f"{c['cache']}: page table {list(t.shape)} needs a row for each of {len(seen)} users")
             items = [min(n, ring) if c["kind"] == "window" and ring else n // c["tokens_per_entry"] for n in seen]
             for row, n in enumerate(items):
                 need = -(-n // bs)

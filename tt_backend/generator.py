@@ -1213,11 +1213,6 @@ class DeepseekV4ForCausalLM(Generator):
     def _caches(self) -> list[dict]:
         return paged_caches(self.config)
 
-    def cache_names(self) -> list[str]:
-        names = list(kv_cache_specs(self.config, self.block_size or 32, "bfloat16"))
-        assert len(names) == len(self._caches()), "kv_cache_specs and the program's caches disagree"
-        return names
-
     def _cache_label(self, i: int) -> str:
         return self.cache_names()[i]
 
@@ -1243,15 +1238,16 @@ class DeepseekV4ForCausalLM(Generator):
         if not isinstance(per_layer_specs, dict) or set(per_layer_specs) != set(names):
             got = sorted(per_layer_specs) if isinstance(per_layer_specs, dict) else type(per_layer_specs).__name__
             raise ValueError(f"DeepSeek caches are allocated by name: need exactly {names}, got {got}")
-        specs = kv_cache_specs(self.config, per_layer_specs[names[0]][0][2], "bfloat16")
+        bs = int(per_layer_specs[names[0]][0][2])
+        if self.block_size not in (None, bs):
+            raise ValueError(f"block_size {bs} differs from the generator's {self.block_size}")
+        specs = kv_cache_specs(self.config, bs, "bfloat16")
         for name in names:
             shape, spec = tuple(per_layer_specs[name][0]), specs[name]
-            want = (spec.num_kv_heads, spec.block_size, spec.head_size)
+            want = (spec.num_kv_heads, bs, spec.head_size)
             if len(shape) != 4 or shape[1:] != want:
                 raise ValueError(f"{name}: kv_cache_shape {shape} must be [num_blocks, {', '.join(map(str, want))}]")
-        self.block_size = self.block_size or specs[names[0]].block_size
-        if any(s.block_size != self.block_size for s in specs.values()):
-            raise ValueError(f"block_size {specs[names[0]].block_size} differs from the generator's {self.block_size}")
+        self.block_size = bs
         pairs = [pc.allocate_shared_buffers([(s, _np_dtype(d), t) for s, d, t in
                                              (per_layer_specs[n] for n in names)]) for _ in range(self.data_parallel)]
         return [[pair[:1] for pair in sub] for sub in pairs]

@@ -88,7 +88,8 @@ class Pool:
         """{cache name: int32 [len(requests), W]}, -1 past each request's blocks."""
         out = {}
         for n, m, r in self.caches:
-            t = np.full((len(requests), m // BS if m else -(-(-(-MAX_LEN // r)) // BS)), -1, np.int32)
+            entries = -(-MAX_LEN // r)
+            t = np.full((len(requests), m // BS if m else -(-entries // BS)), -1, np.int32)
             for i, req in enumerate(requests):
                 t[i, :len(self.rows[req][n])] = self.rows[req][n]
             out[n] = t
