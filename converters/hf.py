@@ -3,8 +3,10 @@
 MTP blocks."""
 from __future__ import annotations
 
+import itertools
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -215,28 +217,40 @@ def source_bytes(reader, name: str) -> int:
 
 def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: tuple[str, ...] = (), *,
            done=frozenset(), bar=None, **plan_kw):
-    """Every checkpoint tensor read once (in turn: at most one held), transformed and cast: an iterator of
-    (key, [Part]), key = (param path, index) per placement. Each parameter takes `dtype` unless its ParamSpec
-    keeps fp32 or int32; Quantized values stay bytes (a Part per suffix). Every converted tensor is checked
-    (`check_values`): finite, representable, of a fitting kind. Placements whose key is in `done` are left out
-    and their tensors not read. bar: a tqdm advanced by the bytes read. plan_kw: as plan_import (checked before
-    the first item)."""
+    """Every checkpoint tensor read once (in turn: at most two held, the next one read ahead), transformed and
+    cast: an iterator of (key, [Part]), key = (param path, index) per placement. Each parameter takes `dtype`
+    unless its ParamSpec keeps fp32 or int32; Quantized values stay bytes (a Part per suffix). Every converted
+    tensor is checked (`check_values`): finite, representable, of a fitting kind. Placements whose key is in
+    `done` are left out and their tensors not read. bar: a tqdm advanced by the bytes read. plan_kw: as
+    plan_import (checked before the first item)."""
     target = np_dtype(dtype)
     specs = plan_kw.setdefault("specs", flatten(param_specs(cfg)))
     todo = [pm for pm in plan_import(reader, cfg, names, skip, **plan_kw) if (pm.path, pm.index) not in done]
     if bar is not None:
         bar.total = (bar.total or 0) + sum(source_bytes(reader, n) for n in dict.fromkeys(pm.name for pm in todo))
         bar.refresh()
-    cached: tuple[str, object] | None = None  # one tensor may feed several parameters in a row
-    for pm in todo:
-        if cached is None or cached[0] != pm.name:
-            cached = None  # the previous tensor is freed before the next is read
-            cached = (pm.name, reader.get(pm.name))
-            if bar is not None:
-                bar.update(source_bytes(reader, pm.name))
-        lead = specs[pm.path].shape[:len(pm.index)]
-        yield (pm.path, pm.index), [Part(pm.path + suffix, lead, pm.index, v)
-                                    for suffix, v in _convert(pm, cached[1], np.dtype(specs[pm.path].dtype or target))]
+    runs = [(name, list(pms)) for name, pms in itertools.groupby(todo, lambda pm: pm.name)]  # a tensor may feed
+    for value, (name, pms) in zip(prefetched(reader.get, [name for name, _ in runs]), runs):  # several in a row
+        if bar is not None:
+            bar.update(source_bytes(reader, name))
+        for pm in pms:
+            lead = specs[pm.path].shape[:len(pm.index)]
+            yield (pm.path, pm.index), [Part(pm.path + suffix, lead, pm.index, v)
+                                        for suffix, v in _convert(pm, value, np.dtype(specs[pm.path].dtype or target))]
+        del value  # freed before waiting for the next
+
+
+def prefetched(get, names: list):
+    """get(name) for each name in turn, the next one already being read (in a thread) while the caller works on
+    this one: the source's reads (O_DIRECT: the disk's time, not the CPU's) overlap the transforms. Holds at most
+    two values: the caller's and the next."""
+    with ThreadPoolExecutor(1, thread_name_prefix="read") as pool:
+        ahead = pool.submit(get, names[0]) if names else None
+        for k in range(len(names)):
+            value = ahead.result()
+            ahead = pool.submit(get, names[k + 1]) if k + 1 < len(names) else None
+            yield value
+            del value
 
 
 def _convert(pm: Placement, value, dt) -> list[tuple[str, np.ndarray]]:
@@ -268,9 +282,19 @@ def assemble(items) -> dict:
                     out[p.leaf] = aligned_empty(p.lead + p.value.shape, p.value.dtype)
                 out[p.leaf][p.index] = p.value
             else:
-                out[p.leaf] = p.value
+                out[p.leaf] = p.value if p.value.ctypes.data % 64 == 0 else _aligned_copy(p.value)
         del parts
     return unflatten(out)
+
+
+def _aligned_copy(a: np.ndarray) -> np.ndarray:
+    """a in a page-aligned buffer: jax adopts only 64-byte aligned host memory (else copies it again), and a tensor
+    read with O_DIRECT starts where it starts in its file."""
+    from jaxmodels.checkpoint import aligned_empty
+
+    out = aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
 
 
 def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", progress: bool = True,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -11,7 +12,7 @@ from safetensors import safe_open
 
 from converters.deepseek_quant import read_safetensors_header
 from jaxmodels import files
-from jaxmodels.checkpoint import ST_DTYPES as _OUR_DTYPES, aligned_empty, read_into
+from jaxmodels.checkpoint import ST_DTYPES as _OUR_DTYPES, read_range
 from jaxmodels.files import CheckpointError
 
 ST_DTYPES = _OUR_DTYPES | {"F8_E8M0": np.uint8}  # E8M0 scales stay raw bytes (see converters/deepseek_quant.py)
@@ -40,7 +41,7 @@ def _check_complete(path: Path) -> None:
 
 
 class SafetensorsReader:
-    """`keys()` and `get(name)`: one tensor read into a fresh array (pread at its offset: no map of the file
+    """`keys()` and `get(name)`: one tensor read into a fresh array (`read_range`: O_DIRECT, no map of the file
     stays resident, so host memory holds only what the caller keeps); `get_slice` reads through the memory map."""
 
     def __init__(self, root: str | Path):
@@ -98,15 +99,11 @@ class SafetensorsReader:
         if meta["dtype"] not in ST_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {meta['dtype']}")
         a, _ = meta["data_offsets"]
-        out = aligned_empty(tuple(meta["shape"]), ST_DTYPES[meta["dtype"]])
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            read_into(fd, out, base + a)
+        dtype, shape = np.dtype(ST_DTYPES[meta["dtype"]]), tuple(meta["shape"])
+        try:  # its whole pages read with O_DIRECT
+            return read_range(path, base + a, math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
         except ValueError as e:
             raise CheckpointError(f"{path}: tensor {name!r}: {e}") from None
-        finally:
-            os.close(fd)
-        return out
 
     def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Only the bytes of `index` are read from the memory map."""

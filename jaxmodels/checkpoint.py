@@ -64,10 +64,12 @@ def parse_leaf_header(file: Path, head: bytes, size: int) -> tuple[str, tuple[in
     return name, shape, dtype, 8 + n
 
 
-def aligned_empty(shape: tuple[int, ...], dtype, align: int = DATA_OFFSET) -> np.ndarray:
-    """An uninitialised array whose data starts at an `align` boundary (jax aliases 64-byte aligned host buffers)."""
+def aligned_empty(shape: tuple[int, ...], dtype, align: int = DATA_OFFSET, zeroed: bool = False) -> np.ndarray:
+    """An uninitialised (zeroed: all-zero) array whose data starts at an `align` boundary (jax aliases 64-byte
+    aligned host buffers). zeroed costs nothing extra for large arrays: calloc takes fresh pages, which the kernel
+    zeroes on first touch anyway."""
     dtype = np.dtype(dtype)
-    raw = np.empty(math.prod(shape) * dtype.itemsize + align, np.uint8)
+    raw = (np.zeros if zeroed else np.empty)(math.prod(shape) * dtype.itemsize + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
@@ -131,6 +133,24 @@ def _read_direct(file: Path, pages: np.ndarray, offset: int) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def read_range(file: Path, offset: int, nbytes: int) -> np.ndarray:
+    """`nbytes` bytes of `file` from `offset` (uint8), in a page-aligned buffer spanning their pages (the array
+    starts offset % DATA_OFFSET bytes into it): the whole pages inside the file are read with O_DIRECT where
+    `_read_direct` can (the disk writes into the buffer: no copy out of the page cache, no CPU time: a read beside
+    the transforms then costs them nothing), the rest through the page cache. ValueError on a file too short."""
+    first, end = offset // DATA_OFFSET * DATA_OFFSET, offset + nbytes
+    buf = aligned_empty((-(-end // DATA_OFFSET) * DATA_OFFSET - first,), np.uint8)
+    whole = min(buf.size, (os.stat(file).st_size - first) // DATA_OFFSET * DATA_OFFSET)  # pages inside the file
+    start = first + whole if whole >= DIRECT_MIN and _read_direct(file, buf[:whole], first) else offset
+    if start < end:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            read_into(fd, buf[start - first:end - first], start)
+        finally:
+            os.close(fd)
+    return buf[offset - first:end - first]
 
 
 def is_converted(path: str | Path) -> bool:

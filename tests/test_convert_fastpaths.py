@@ -1,0 +1,131 @@
+"""The conversion's fast paths (issue #18) give the bytes of the plain ones: the tiled transpose (staged tiles;
+bf16 -> float32 written into the high halves) equals numpy's transposed copy for every bit pattern; a tensor read
+with O_DIRECT (`checkpoint.read_range`) equals the file's bytes at any offset and length; the read-ahead yields
+every tensor in order, holds at most two, and raises a read's error at that tensor."""
+import os
+import warnings
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from converters import hf
+from converters.transforms import TILE, transpose
+from jaxmodels import checkpoint
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _every_pattern(dtype, shape, seed=0) -> np.ndarray:
+    """An array of `shape` holding every bit pattern of a 16-bit dtype (NaNs, infinities, subnormals, -0), or
+    random bits of a 32-bit one."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 2:
+        bits = np.resize(np.arange(1 << 16, dtype=np.uint16), shape)
+    else:
+        bits = np.random.default_rng(seed).integers(0, 1 << 32, size=shape, dtype=np.uint32)
+    return bits.view(dtype)
+
+
+@pytest.mark.parametrize("shape", [(2 * TILE, 4 * TILE), (777, 1333), (300, 2048)])  # whole, ragged tiles; 4 KiB rows
+@pytest.mark.parametrize("src,dst", [(BF16, BF16), (BF16, np.float32), (BF16, np.float16), (np.float32, BF16),
+                                     (np.float16, np.float32), (np.float32, np.float32)])
+def test_the_tiled_transpose_equals_numpys_byte_for_byte(shape, src, dst):
+    x = _every_pattern(src, shape)
+    with np.errstate(all="ignore"):
+        want = np.ascontiguousarray(x.T, dst)
+        got = transpose(x, dst)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.flags.c_contiguous
+    assert got.tobytes() == want.tobytes()
+    assert got.ctypes.data % checkpoint.DATA_OFFSET == 0, "written to disk straight from this buffer (O_DIRECT)"
+
+
+def test_the_tiled_transpose_of_a_strided_view():
+    x = _every_pattern(BF16, (900, 1400))[::3, 1::2]
+    assert transpose(x, np.float32).tobytes() == np.ascontiguousarray(x.T, np.float32).tobytes()
+
+
+def test_the_transpose_threads_keep_the_callers_errstate():
+    """An overflow in the cast is check_values' error: np.errstate(over="ignore") holds in the worker threads too
+    (numpy's error state is per thread), and over="raise" raises."""
+    x = np.full((600, 700), 1e6, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with np.errstate(over="ignore"):
+            assert np.isinf(transpose(x, np.float16)).all()
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        transpose(x, np.float16)
+
+
+def _evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="this OS has no O_DIRECT")
+def test_read_range_equals_the_files_bytes(tmp_path, monkeypatch):
+    from tests.test_convert_direct import _takes_o_direct
+
+    if not _takes_o_direct(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
+    page = checkpoint.DATA_OFFSET
+    data = os.urandom(6 * page + 123)  # the file ends in a partial page
+    f = tmp_path / "tensors"
+    f.write_bytes(data)
+    monkeypatch.setattr(checkpoint, "DIRECT_MIN", 1)
+    monkeypatch.setattr(checkpoint, "_direct_ok", True)
+    direct, real_open = [], os.open
+
+    def spy(path, flags, *a):
+        if flags & os.O_DIRECT:
+            direct.append(path)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", spy)
+    for offset in (0, 1, 8 + 117, page - 1, page, 2 * page + 10):
+        for n in (0, 1, page, 3 * page + 7, len(data) - offset):
+            if offset + n > len(data):
+                continue
+            _evict(f)  # O_DIRECT only where the pages are not cached
+            got = checkpoint.read_range(f, offset, n)
+            assert got.dtype == np.uint8 and got.tobytes() == data[offset:offset + n], (offset, n)
+            assert not n or (got.ctypes.data - offset) % page == 0, "the buffer starts at a page boundary"
+    assert direct and checkpoint._direct_ok, "the whole pages were read with O_DIRECT"
+    with pytest.raises(ValueError, match="unexpected end of file"):
+        checkpoint.read_range(f, page, len(data))
+
+
+def test_the_read_ahead_yields_in_order_and_holds_two(monkeypatch):
+    refs, asked = [], []
+
+    def get(name):
+        asked.append(name)
+        if name == "bad":
+            raise ValueError("cannot read bad")
+        value = np.full(4, len(asked))
+        refs.append(weakref.ref(value))
+        return value
+
+    names = ["a", "b", "c", "bad", "e"]
+    it = hf.prefetched(get, names)
+    for k in range(3):
+        value = next(it)
+        assert value[0] == k + 1 and asked[k] == names[k]
+        assert sum(r() is not None for r in refs) <= 2 and len(asked) <= k + 2, "one read ahead, no more"
+        del value
+    with pytest.raises(ValueError, match="cannot read bad"):
+        next(it)
+    assert "e" not in asked
+
+
+def test_an_unaligned_unstacked_leaf_is_assembled_into_an_aligned_buffer():
+    """jax adopts only aligned host memory; a tensor read with O_DIRECT starts where it starts in its file."""
+    raw = np.arange(4096 + 3, dtype=np.uint8)
+    value = raw[3:].view(np.uint8)
+    params = hf.assemble([(("embed", ()), [hf.Part("embed", (), (), value)])])
+    assert params["embed"].ctypes.data % 64 == 0 and params["embed"].tobytes() == value.tobytes()
