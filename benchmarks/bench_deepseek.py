@@ -72,8 +72,8 @@ def step_bytes(cfg, params, batch: int, max_len: int) -> dict:
             "total": dense + routed + batch * cache, "distinct_experts_per_layer": distinct}
 
 
-def run(batches, prompt, steps, reps, tiny=False, fp4=False):
-    cfg = flash_config()
+def run(batches, prompt, steps, reps, tiny=False, fp4=False, layers=ROLE_LAYERS):
+    cfg = flash_config(layers)
     if tiny:  # a CPU smoke run of this script: same roles, toy widths
         global FLASH
         FLASH = {**FLASH, "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 64,
@@ -81,8 +81,9 @@ def run(batches, prompt, steps, reps, tiny=False, fp4=False):
                  "index_n_heads": 4, "index_head_dim": 32, "index_topk": 8, "candidate_topk_blocks": 3,
                  "candidate_block_size": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32}
-        cfg = flash_config()
-    out = {"src": src_hash(), "device": str(jax.devices()[0]), "jax": jax.__version__, "layers": len(cfg.layers)}
+        cfg = flash_config(layers)
+    out = {"src": src_hash(), "device": str(jax.devices()[0]), "jax": jax.__version__, "layers": len(cfg.layers),
+           "plan_layers": list(layers)}
     out["ceilings"] = jax_ceilings({"bw_bytes": (1 << 20) if tiny else (4 << 30), "mm": 256 if tiny else 8192})
     bw = max(out["ceilings"]["elementwise_rw_GBps"], out["ceilings"]["reduce_read_GBps"]) * 1e9
     t0 = time.perf_counter()
@@ -154,9 +155,12 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="deepseek.json")
     ap.add_argument("--tiny", action="store_true", help="toy widths, for a CPU smoke run")
-    ap.add_argument("--fp4", action="store_true", help="routed experts kept as FP4 bytes (expanded in the matmul)")
+    ap.add_argument("--fp4", action="store_true", help="routed experts kept as FP4 bytes (decoded in the kernels)")
+    ap.add_argument("--layers", default=",".join(map(str, ROLE_LAYERS)),
+                    help="layers of the 40-layer plan to keep (default: the four roles %(default)s)")
     a = ap.parse_args()
-    res = run([int(b) for b in a.batches.split(",")], a.prompt, a.steps, a.reps, a.tiny, a.fp4)
+    res = run([int(b) for b in a.batches.split(",")], a.prompt, a.steps, a.reps, a.tiny, a.fp4,
+              tuple(int(i) for i in a.layers.split(",")))
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     log(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))

@@ -65,7 +65,7 @@ def _host_only(engine, steps: int, tok) -> dict:
     ids = ids % engine.model.config.vocab_size
     outs = itertools.cycle([jnp.asarray(np.roll(ids, -k)[:P]) for k in range(32)])
     original = R.step
-    R.step = lambda params, cache, counts, last, *a, **kw: (cache, counts, last, (next(outs),))
+    R.step = lambda params, cache, draft, counts, last, *a, **kw: (cache, draft, counts, last, (next(outs),))
     try:
         res = {}
         for overlap in (False, True):
@@ -150,10 +150,11 @@ def main():
     R.step = original
     run = engine.runner
     args, kw = captured["args"], captured["kw"]
-    rest = [jax.device_put(x) for x in args[4:8]]
+    rest = [jax.device_put(x) for x in args[5:9]]  # ints, floats, tables, tokens
 
     def paged():
-        run.cache, run.counts, run.last, out = R.step(params, run.cache, run.counts, run.last, *rest, *args[8:], **kw)
+        run.cache, _, run.counts, run.last, out = R.step(params, run.cache, None, run.counts, run.last, *rest,
+                                                         *args[9:], **kw)
         return out[0]
 
     def timed(fn, n=30, sync_each=False):

@@ -120,23 +120,39 @@ def build(kind_specs, counts, batch: int, max_len: int, dtype, block_size: int =
     return Cache(buffers, table_arrays, tuple(state), extra, Layout(block_size, tuple(refs)))
 
 
+# per-sequence state that is a ring of positions (plan.cache_specs / model_state_specs): lookahead enlarges these
+RINGS = ("buf_kv", "buf_gate", "ibuf_kv", "ibuf_gate", "engram_history")
+
+
+def roomier(spec, lookahead: int):
+    """A cache spec whose ring (a sliding window's slots, a compressor's or Engram's state ring) holds `lookahead`
+    more positions (speculative decoding's rejected drafts, see `model.init_cache`); other specs unchanged."""
+    if not lookahead:
+        return spec
+    if isinstance(spec, SlotSpec) and spec.window:
+        return dataclasses.replace(spec, window=spec.window + lookahead)
+    if isinstance(spec, StateSpec) and spec.name in RINGS:
+        return dataclasses.replace(spec, shape=(spec.shape[0] + lookahead, *spec.shape[1:]))
+    return spec
+
+
+def _kind_specs(cfg: ModelConfig, cross_tokens: int = 0, lookahead: int = 0) -> list[tuple]:
+    return [tuple(roomier(s, lookahead) for s in cache_specs(cfg, spec, cross_tokens)) for spec in plan(cfg).kinds]
+
+
 def init(cfg: ModelConfig, batch: int, max_len: int, dtype, block_size: int = 0, tables=None, constrain=None,
-         cross_tokens: int = 0):
+         cross_tokens: int = 0, lookahead: int = 0):
     """The model's cache: every layer kind's specs (plan.cache_specs) and the model-level state. cross_tokens:
-    image-feature tokens a cross-attention layer keeps per sequence (Mllama; 0: a text-only cache)."""
-    pl = plan(cfg)
-    return build([cache_specs(cfg, spec, cross_tokens) for spec in pl.kinds], pl.counts, batch, max_len, dtype,
-                 block_size, tables, model_state_specs(cfg), constrain)
+    image-feature tokens a cross-attention layer keeps per sequence (Mllama; 0: a text-only cache). lookahead:
+    spare ring slots (`roomier`)."""
+    return build(_kind_specs(cfg, cross_tokens, lookahead), plan(cfg).counts, batch, max_len, dtype, block_size,
+                 tables, tuple(roomier(s, lookahead) for s in model_state_specs(cfg)), constrain)
 
 
-def table_groups(cfg: ModelConfig, max_len: int, block_size: int) -> dict:
+def table_groups(cfg: ModelConfig, max_len: int, block_size: int, lookahead: int = 0) -> dict:
     """{(window, per): blocks per sequence} of the model's paged caches: what a block allocator fills."""
-    out = {}
-    for spec in plan(cfg).kinds:
-        for s in cache_specs(cfg, spec):
-            if isinstance(s, SlotSpec):
-                out[(s.window, s.per)] = -(-s.slots(max_len) // block_size)
-    return out
+    return {(s.window, s.per): -(-s.slots(max_len) // block_size)
+            for specs in _kind_specs(cfg, lookahead=lookahead) for s in specs if isinstance(s, SlotSpec)}
 
 
 def bytes_by_kind(cache: Cache) -> dict[int, int]:

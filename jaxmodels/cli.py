@@ -154,7 +154,7 @@ def _generate(args) -> int:
     quiet = jax.process_index() != 0  # every process runs the program; one prints
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               min_p=args.min_p, seed=args.seed, stop=args.stop or None, chat=args.chat,
-              unroll=True if args.unroll else 1)
+              unroll=True if args.unroll else 1, num_speculative_tokens=args.num_speculative_tokens)
     if args.image:  # read once; every prompt sees them
         from jaxmodels import images
 
@@ -172,6 +172,9 @@ def _generate(args) -> int:
         n = sum(map(len, out.tokens))
         print(f"[{n} tokens; first call {out.seconds:.2f} s incl. compilation; "
               f"compiled: {warm.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
+    if out.acceptance_rate is not None:
+        print(f"[speculative: {out.acceptance_rate:.1%} of the drafts accepted, {out.tokens_per_step:.2f} tokens a "
+              f"step]", file=sys.stderr)
     return 0
 
 
@@ -194,7 +197,8 @@ def _serve(args) -> int:
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               enable_prefix_caching=args.prefix_caching,
                               memory_fraction=args.gpu_memory_utilization,
-                              async_scheduling=args.async_scheduling)
+                              async_scheduling=args.async_scheduling,
+                              num_speculative_tokens=args.num_speculative_tokens)
     except ValueError as e:  # "max_num_seqs must be ..." -> "--max-num-seqs must be ..."
         field, rest = str(e).split(" ", 1)
         flag = {"memory_fraction": "gpu-memory-utilization"}.get(field, field.replace("_", "-"))
@@ -284,6 +288,9 @@ def parser() -> argparse.ArgumentParser:
                         "weights in place)")
     g.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                    help="run twice and report compiled tokens/s (default: on)")
+    g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="decode speculatively with the model's own draft heads (DeepSeek V4 MTP, V4.1 DSpark), K "
+                        "draft tokens a step (default: 0, off)")
     g.add_argument("--mesh", help="shard over a device mesh, e.g. 'data=2,tensor=4' (axes: data fsdp tensor expert)")
     g.add_argument("--rules", default="tp", help="sharding preset: tp | fsdp_tp | ep (default: tp)")
     g.add_argument("--coordinator", help="multi-host: address host:port of process 0")
@@ -316,6 +323,9 @@ def parser() -> argparse.ArgumentParser:
                    help="do not reuse the KV cache of common prompt prefixes")
     s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="do not overlap the host's work with the device step (for comparison)")
+    s.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="decode speculatively with the model's own draft heads (DeepSeek V4 MTP, V4.1 DSpark): K "
+                        "draft tokens a step, verified in one pass; /metrics reports the acceptance (default: 0, off)")
     s.add_argument("--mesh", help="shard over a device mesh, e.g. 'tensor=8' or 'data=2,tensor=4' (axes: data fsdp "
                                   "tensor expert): parameters by --rules, KV-cache pools split by kv head")
     s.add_argument("--rules", default="tp", help="sharding preset: tp | fsdp_tp | ep (default: tp)")

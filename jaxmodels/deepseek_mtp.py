@@ -233,7 +233,7 @@ def _mtp_block(params, cfg, h_stream, tokens, ctx, lc, depth):
 def mtp_init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, lookahead: int = 0) -> kv.Cache:
     """V4 classic MTP's cache: each depth's window ring of KV (its layer's cache spec), with `lookahead` spare
     slots (see model.init_cache) for the positions a recursive draft writes and the next step overwrites."""
-    specs = tuple(model.roomier(s, lookahead) for s in cache_specs(cfg, cfg.mtp.layer))
+    specs = tuple(kv.roomier(s, lookahead) for s in cache_specs(cfg, cfg.mtp.layer))
     return kv.build([specs], (cfg.mtp.layers,), batch, max_len, dtype)
 
 

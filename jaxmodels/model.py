@@ -24,8 +24,7 @@ from jaxmodels import cache as kv
 from jaxmodels.config import ModelConfig
 from jaxmodels.layers import attention, engram, mhc, mla, mlp, moe, rope, vision
 from jaxmodels.layers.norms import norm
-from jaxmodels.plan import (Plan, SlotSpec, StateSpec, cache_specs, flatten, model_state_specs, mtp_param_specs,
-                            param_specs, plan, unflatten)
+from jaxmodels.plan import Plan, flatten, mtp_param_specs, param_specs, plan, unflatten
 
 F32 = jnp.float32
 # Options for jax.jit of the model's functions. XLA:GPU's Triton GEMM fusions read a scanned layer's weights
@@ -346,36 +345,16 @@ def forward(params, cfg: ModelConfig, tokens, positions=None, shard=None, images
     return head(params, cfg, x, shard)
 
 
-# per-sequence state that is a ring of positions (plan.cache_specs / model_state_specs): lookahead enlarges these
-RINGS = ("buf_kv", "buf_gate", "ibuf_kv", "ibuf_gate", "engram_history")
-
-
-def roomier(spec, lookahead: int):
-    """A cache spec whose ring (a sliding window's slots, a compressor's or Engram's state ring) holds `lookahead`
-    more positions; other specs unchanged."""
-    if not lookahead:
-        return spec
-    if isinstance(spec, SlotSpec) and spec.window:
-        return dataclasses.replace(spec, window=spec.window + lookahead)
-    if isinstance(spec, StateSpec) and spec.name in RINGS:
-        return dataclasses.replace(spec, shape=(spec.shape[0] + lookahead, *spec.shape[1:]))
-    return spec
-
-
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, block_size: int = 0, tables=None, shard=None,
                cross_tokens: int = 0, lookahead: int = 0):
     """An empty cache for `batch` sequences of up to `max_len` tokens: contiguous, or paged with `block_size`
     (block tables as jaxmodels.cache.build takes them). cross_tokens: Mllama's image-feature tokens per sequence
     (see plan.cache_specs). lookahead: spare ring slots for `extend` chunks whose last `lookahead` tokens may be
     rejected and overwritten (speculative decoding with that many draft tokens): without them a rejected token
-    evicts a position the next chunk still reads. Paged tables must then be sized by the enlarged windows."""
+    evicts a position the next chunk still reads. Paged tables are then sized by the enlarged windows
+    (`cache.table_groups(..., lookahead)`)."""
     constrain = None if shard is None else functools.partial(_constrain, shard)
-    if not lookahead:
-        return kv.init(cfg, batch, max_len, dtype, block_size, tables, constrain, cross_tokens)
-    pl = plan(cfg)
-    specs = [tuple(roomier(s, lookahead) for s in cache_specs(cfg, spec, cross_tokens)) for spec in pl.kinds]
-    return kv.build(specs, pl.counts, batch, max_len, dtype, block_size, tables,
-                    tuple(roomier(s, lookahead) for s in model_state_specs(cfg)), constrain)
+    return kv.init(cfg, batch, max_len, dtype, block_size, tables, constrain, cross_tokens, lookahead)
 
 
 def prefill(params, cfg: ModelConfig, tokens, lengths, cache, shard=None, images=None):

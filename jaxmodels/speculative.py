@@ -48,6 +48,17 @@ def verify(params, cfg, tokens, start, cache, lengths=None, shard=None):
     return M.head(params, cfg, x, shard), cache, aux
 
 
+def chunk(params, cfg, tokens, start, lengths, cache, shard=None, images=None):
+    """M.extend that also returns what the drafters read (a prefill chunk of a speculating engine): (logits of each
+    row's last chunk token [B, V], cache, aux {"mains", "stream"} of every position)."""
+    start, lengths = jnp.asarray(start, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    x, cache, aux = M.hidden(params, cfg, tokens, positions, "extend", cache, lengths, shard=shard, start=start,
+                             collect=True, images=images)
+    last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    return M.head(params, cfg, last, shard)[:, 0], cache, aux
+
+
 # ------------------------------------------------------------------------------------------------ drafters
 def drafter_cache(cfg, batch: int, max_len: int, dtype, k: int):
     """The drafter's cache: DSpark's per-stage main-KV rings (only accepted positions are written), or the
@@ -55,6 +66,15 @@ def drafter_cache(cfg, batch: int, max_len: int, dtype, k: int):
     if cfg.mtp.kind == "dspark":
         return dm.dspark_init_cache(cfg, batch, dtype)
     return dm.mtp_init_cache(cfg, batch, max_len, dtype, lookahead=k)
+
+
+def drafter_state(cfg, batch: int, dtype):
+    """What `observe` returns beside the cache, zeros: classic MTP's first-draft logits [B, V] fp32 and output
+    stream [B, n, D]; None for DSpark (its drafts read only the rings)."""
+    if cfg.mtp.kind == "dspark":
+        return None
+    return (jnp.zeros((batch, cfg.logits_size), jnp.float32),
+            jnp.zeros((batch, cfg.mtp.layer.mhc.copies, cfg.hidden_size), dtype))
 
 
 def observe(params, cfg, dcache, aux, next_tokens, start, lengths):
@@ -102,12 +122,23 @@ def accept(target_logits, drafts, draft_logits, key, s: Sampling):
     drafts [B, k], draft_logits [B, k, V] (the logits each draft was drawn from, by the same `s`) -> (tokens
     [B, k+1], count [B]): each row emits its first count = a+1 tokens (a accepted drafts, then the target's
     correction or bonus token)."""
-    B, k = drafts.shape
     if s.greedy:
-        best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
-        a = jnp.sum(jnp.cumprod(drafts == best[:, :k], axis=1), axis=1)
-        return best, (a + 1).astype(jnp.int32)
-    p, q = probabilities(target_logits, s), probabilities(draft_logits, s)
+        return accept_greedy(target_logits, drafts)
+    return rejection(probabilities(target_logits, s), drafts, probabilities(draft_logits, s), key)
+
+
+def accept_greedy(target_logits, drafts):
+    """Greedy acceptance: the drafts while they equal the target's argmax, then the target's own token."""
+    k = drafts.shape[1]
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
+    a = jnp.sum(jnp.cumprod(drafts == best[:, :k], axis=1), axis=1)
+    return best, (a + 1).astype(jnp.int32)
+
+
+def rejection(p, drafts, q, key):
+    """The rejection rule on distributions: p [B, k+1, V] the target's, q [B, k, V] the ones the drafts [B, k]
+    were drawn from -> (tokens [B, k+1], count [B]) as `accept`. One key draws every row."""
+    B, k = drafts.shape
     ku, kr = jax.random.split(key)
     pd = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
     qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]

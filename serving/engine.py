@@ -15,6 +15,12 @@ step N+1 takes its input token from the device (what step N sampled); only the s
 small transfer per step. The outputs `step()` returns are therefore those of the previous dispatch; a request that
 finished there (EOS, a stop string, an abort) drops the extra token its row computed meanwhile. Results are the
 same tokens as without the overlap.
+
+Speculative decoding (`num_speculative_tokens` k > 0, models with their own draft heads: DeepSeek V4's MTP, V4.1's
+DSpark): a decoding request's step proposes k tokens, verifies them in one pass and emits the accepted run plus one
+(`runner.verify_step`); greedy output is the plain engine's, sampled output has the target's distribution. Each
+step's positions then depend on the tokens accepted, which the host must read first: a speculating engine does
+not overlap (vLLM's first speculative engines did the same). Requests with penalties or images decode plainly.
 """
 from __future__ import annotations
 
@@ -59,12 +65,19 @@ class EngineConfig:
     # images one request may hold (vLLM's limit_mm_per_prompt); None: any number, except for Mllama, whose
     # cross-attention K/V every row keeps for this many images (rows x images x tiles x patches): 1 there
     max_images_per_prompt: int | None = None
+    num_speculative_tokens: int = 0  # k > 0: speculative decoding with the model's draft heads (module docstring)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
+        if k and self.max_num_batched_tokens < k + 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one speculative step "
+                             f"(num_speculative_tokens + 1 = {k + 1} tokens)")
         for name in ("max_model_len", "kv_blocks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -130,6 +143,16 @@ def _mllama_slots(a: dict, slots: int) -> dict:
             "cross_attention_mask": np.pad(tiles, ((0, 0), (0, slots - n), (0, 0)))}
 
 
+def _check_drafter(model, k: int) -> None:
+    """Speculative decoding needs the model's own draft heads, loaded; DSpark drafts at most its block."""
+    cfg = model.config
+    if cfg.mtp is None or "mtp" not in model.params:
+        raise ValueError(f"num_speculative_tokens={k} needs a model with MTP draft heads (DeepSeek V4 / V4.1 loaded "
+                         f"with its mtp.* tensors); {cfg.family} has none")
+    if cfg.mtp.kind == "dspark" and k > cfg.mtp.block_size:
+        raise ValueError(f"num_speculative_tokens={k} exceeds the DSpark block size {cfg.mtp.block_size}")
+
+
 class Engine:
     def __init__(self, model, config: EngineConfig = EngineConfig()):
         cfg = model.config
@@ -146,8 +169,11 @@ class Engine:
         cross_tokens = 0  # Mllama: the image-feature tokens each row's cross-attention layers keep
         if v is not None and v.kind == "mllama" and self.max_images:
             cross_tokens = self.max_images * v.max_tiles * ((v.image_size // v.patch_size) ** 2 + 1)
+        self.k = k = config.num_speculative_tokens
+        if k:
+            _check_drafter(model, k)
         groups, abstract, buffer_space, stateful = R.groups_of(cfg, self.max_model_len, bs, model.dtype,
-                                                               cross_tokens)
+                                                               cross_tokens, k)
         per_block = R.block_bytes(abstract, buffer_space)
         need = [sum(g.entries for g in groups if g.space == s) for s in range(len(per_block))]  # one sequence
         blocks = config.kv_blocks or self._size(abstract, need)
@@ -155,7 +181,9 @@ class Engine:
             raise ValueError(f"kv_blocks={blocks} cannot hold one sequence of max_model_len={self.max_model_len} "
                              f"(needs {max(need)} blocks of {bs} tokens); lower max_model_len or raise kv_blocks")
         self.runner = R.Runner(model, groups, abstract, buffer_space, blocks, config.max_num_seqs,
-                               self.max_model_len, bs, cross_tokens)
+                               self.max_model_len, bs, cross_tokens, k)
+        if k and not self.runner.extend_ok:
+            raise ValueError(f"num_speculative_tokens needs chunked extend, which {cfg.family} does not run")
         chunked = config.enable_chunked_prefill and self.runner.extend_ok
         self.pool = KVPool(groups, blocks, bs, config.enable_prefix_caching and self.runner.extend_ok,
                            rows=self.runner.rows)
@@ -167,17 +195,22 @@ class Engine:
             log.warning("without chunked prefill a prompt longer than a sliding window writes over its own ring "
                         "blocks: prefix caching will rarely hit")
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   chunked)
+                                   chunked, k)
         # a chunk launch of several rows pads to at most twice a step's budget (rarely binding: splitting is
         # cheaper well before), so that `warmup` knows every shape a step can launch
         self.launch_tokens = 2 * R.chunk_width(self.scheduler.budget)
         self.requests: dict[str, Request] = {}
         self.eos = frozenset(eos_ids(cfg, self.tokenizer))
         self.blocks, self.steps = blocks, 0
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_prompt_tokens": 0}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_prompt_tokens": 0,
+                         # speculative decoding: row steps verified, drafts proposed, drafts the rule accepted,
+                         # tokens the requests took from those steps (fewer where a request ended inside a run)
+                         "spec_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_emitted_tokens": 0}
         self.history: list[dict] = []  # per step, when `record` is on: who ran, how many tokens, blocks used
         self.record = False
-        self.async_scheduling = config.async_scheduling  # may be switched between steps
+        self.async_scheduling = config.async_scheduling  # may be switched between steps (no effect when speculating)
+        if k and config.async_scheduling:
+            log.info("speculative decoding: the engine reads each step's tokens before it schedules the next")
         self.inflight: list = []  # the dispatched step whose tokens have not been read yet (async scheduling)
         # host time: seconds in step() in all, and of them blocked waiting for the device's tokens
         self.timing = {"steps": 0, "step_s": 0.0, "wait_s": 0.0}
@@ -207,6 +240,9 @@ class Engine:
             per += n
         rows = self.config.max_num_seqs + 1  # the per-row state, replicated on every device
         state = rows * sum(int(np.prod(a.shape)) * a.dtype.itemsize for kind in abstract.state for a in kind.values())
+        if self.k:  # the drafter's rows, replicated too
+            draft = jax.eval_shape(R.draft_state, self.model.config, rows, self.max_model_len, self.model.dtype, self.k)
+            state += sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(draft))
         return kv_blocks_for_memory([per] * len(devices), stats, self.config.memory_fraction or
                                     DEFAULT_MEMORY_FRACTION, [str(d) for d in devices], state)
 
@@ -216,7 +252,9 @@ class Engine:
         longest = min(sch.budget, sch.max_chunk or sch.budget, self.max_model_len)
         shapes = R.launch_shapes(self.runner.rows - 1, longest, self.launch_tokens)
         chunk = "extend" if self.runner.extend_ok else "prefill"
-        return [(chunk, P, T) for P, T in shapes["chunk"]] + [("decode", P, T) for P, T in shapes["decode"]]
+        # a speculating engine verifies its decodes (a vision model's requests with images decode plainly)
+        decode = (["verify"] + (["decode"] if self.model.config.vision is not None else [])) if self.k else ["decode"]
+        return [(chunk, P, T) for P, T in shapes["chunk"]] + [(d, P, T) for d in decode for P, T in shapes["decode"]]
 
     def copy_sizes(self) -> list[int]:
         """The block counts (powers of two) a step's copy-on-write may copy: at most the blocks a step's tokens
@@ -290,6 +328,8 @@ class Engine:
         req = Request(request_id, [int(t) for t in prompt], params, eos | frozenset(params.stop_token_ids), seed)
         if images:
             self._images(req, images)
+        # speculative rows apply no penalties; image requests keep to the plain path generate() checks
+        req.draft = 0 if params.penalized or req.features is not None or req.cross is not None else self.k
         req.detok = Detokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
                                 params.include_stop_str_in_output, context=req.prompt)
         self.requests[request_id] = req
@@ -343,7 +383,7 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.pieces else []
-        if self.async_scheduling:
+        if self.async_scheduling and not self.k:
             done, self.inflight = self.inflight, launched
         else:
             done, self.inflight = self.inflight + launched, []
@@ -364,12 +404,13 @@ class Engine:
         self.runner.copy(self.pool.take_copies())
         for req in batch.admitted:
             self.runner.admit(req)
-        decode, chunks = [], []
+        decode, verify, chunks = [], [], []
         for p in batch.pieces:
             req, start, n = p
             images = req.features is not None or req.cross is not None
             is_decode = n == 1 and (start > 0 or self.runner.extend_ok) and (not images or start >= len(req.prompt))
-            (decode if is_decode else chunks).append(p)  # image tokens go through extend / prefill
+            # image tokens go through extend / prefill; the last known token of a speculating request, verify
+            (chunks if not is_decode else verify if req.draft and start + 1 == len(req.tokens) else decode).append(p)
         table, out = self.pool.table, []
         # Mllama: rows with images run apart (in a batch, a row without images would attend to the others' padding)
         for part in ([p for p in chunks if p[0].cross is None], [p for p in chunks if p[0].cross is not None]):
@@ -377,6 +418,8 @@ class Engine:
                 out.append(self.runner.run("extend" if self.runner.extend_ok else "prefill", rows, table))
         if decode:
             out.append(self.runner.run("decode", decode, table))
+        if verify:
+            out.append(self.runner.run("verify", verify, table))
         return out
 
     def _collect(self, launched: list) -> list[StepOutput]:
@@ -387,6 +430,9 @@ class Engine:
         now = time.monotonic()
         outputs = []
         for x, res in zip(launched, results):
+            if x.how == "verify":
+                outputs += self._collect_verified(x, res, now)
+                continue
             toks = res[0].tolist()
             for i, (req, _, _) in enumerate(x.pieces):
                 if not x.emit[i]:  # a prefill chunk: no token yet
@@ -397,6 +443,31 @@ class Engine:
                 lp = (res[1][i], res[2][i], res[3][i]) if len(res) > 1 else None
                 new, lps = self._accept(req, toks[i], lp, now)
                 outputs.append(self._close(req, new, lps, req.detok.push(new)))
+        return outputs
+
+    def _collect_verified(self, x, res, now: float) -> list[StepOutput]:
+        """A verify step's runs: each request takes its count tokens, one at a time until one ends it; its cache
+        holds the positions of the kept drafts (the rejected ones' writes lie past them, overwritten later)."""
+        toks, counts = res[0].tolist(), res[1].tolist()
+        c, outputs = self.counters, []
+        for i, (req, _, _) in enumerate(x.pieces):
+            req.pending -= 1
+            if req.finished:
+                continue
+            count = counts[i]
+            req.computed += count - 1
+            c["spec_steps"] += 1
+            c["spec_draft_tokens"] += self.k
+            c["spec_accepted_tokens"] += count - 1
+            new, lps, text = [], [], ""
+            for j in range(count):
+                lp = (res[2][i][j], res[3][i][j], res[4][i][j]) if len(res) > 2 else None
+                tok, lp = self._accept(req, toks[i][j], lp, now)
+                new, lps, text = new + tok, lps + lp, text + req.detok.push(tok)
+                c["spec_emitted_tokens"] += 1
+                if req.finished or req.detok.stopped or self._at_limit(req):
+                    break
+            outputs.append(self._close(req, new, lps, text))
         return outputs
 
     def _accept(self, req: Request, tok: int, lp, now: float) -> tuple:
@@ -419,14 +490,17 @@ class Engine:
             req.logprobs += lps
         return [tok], lps
 
+    def _at_limit(self, req: Request) -> bool:
+        """The request holds max_tokens generated tokens, or max_model_len tokens in all."""
+        return (len(req.output) >= (req.params.max_tokens or self.max_model_len)
+                or len(req.tokens) >= self.max_model_len)
+
     def _close(self, req: Request, new: list[int], lps: list, text: str) -> StepOutput:
         """The token's text is known (`text`, from the detokenizer): a stop string or a length limit ends the
         request, which then frees its blocks, its prompt's staying cached."""
-        p = req.params
         if req.detok.stopped:
             req.finish_reason = "stop"
-        elif req.finish_reason is None and (len(req.output) >= (p.max_tokens or self.max_model_len)
-                                            or len(req.tokens) >= self.max_model_len):
+        elif req.finish_reason is None and self._at_limit(req):
             req.finish_reason = "length"
         if req.finished:
             if req.blocks is not None:  # its prompt serves the next one

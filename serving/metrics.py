@@ -55,3 +55,14 @@ class _EngineCollector:
                           ("cached_prompt_tokens", "Prompt tokens served by the prefix cache."),
                           ("preemptions", "Requests preempted for lack of KV blocks.")):
             yield CounterMetricFamily(f"jaxmodels_{name}", doc, s[name])
+        # speculative decoding (zero without it), as vLLM's spec_decode counters
+        for name, doc in (("steps", "Speculative decode steps, counted per request."),
+                          ("draft_tokens", "Draft tokens proposed."),
+                          ("accepted_tokens", "Draft tokens the acceptance rule kept."),
+                          ("emitted_tokens", "Tokens speculative steps gave their requests.")):
+            yield CounterMetricFamily(f"jaxmodels_spec_decode_{name}", doc, s[f"spec_{name}"])
+        proposed, steps = s["spec_draft_tokens"], s["spec_steps"]
+        yield GaugeMetricFamily("jaxmodels_spec_decode_acceptance_rate", "Draft tokens accepted / proposed, since "
+                                "the start.", s["spec_accepted_tokens"] / proposed if proposed else 0.0)
+        yield GaugeMetricFamily("jaxmodels_spec_decode_tokens_per_step", "Tokens a request took per speculative "
+                                "step, since the start.", s["spec_emitted_tokens"] / steps if steps else 0.0)

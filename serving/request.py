@@ -143,6 +143,7 @@ class Request:
     # prefill chunk of the request passes them to the cross-attention layers, decode reads their kept K/V
     cross: dict | None = None
     digests: list = field(default_factory=list)  # chain digest of each full block of tokens (kept across admissions)
+    draft: int = 0  # speculative decoding: tokens drafted per decode step (0: plain decoding)
     tokens: list[int] = field(init=False)
 
     def __post_init__(self):

@@ -2,9 +2,13 @@
 
 The cache has `rows` = max_num_seqs + 1 rows of per-sequence state (the last is scratch, for padded rows) and
 pools of blocks shared by all rows. A step runs a few of the rows: it gathers their state, runs `M.extend`
-(chunked prefill), `M.prefill` (DeepSeek, whole prompts) or `M.decode_step` on them with their block tables,
-scatters the state back, and samples each row's next token with its own parameters. Row and token counts are
-rounded up to powers of two, so the set of compiled shapes stays small; each new one is logged.
+(chunked prefill), `M.prefill` (models without extend, whole prompts) or `M.decode_step` on them with their block
+tables, scatters the state back, and samples each row's next token with its own parameters. Row and token counts
+are rounded up to powers of two, so the set of compiled shapes stays small; each new one is logged.
+
+Speculative decoding (k draft tokens, DeepSeek's own draft heads): the runner also keeps the drafter's cache, one
+contiguous row per engine row; prefill chunks update it (`step` with `draft`), and `verify_step` replaces a
+decode step: propose k tokens, verify them in one target pass over k + 1 positions, keep an accepted run.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmodels import cache as kv, model as M, sampling, sharding
+from jaxmodels import cache as kv, model as M, sampling, sharding, speculative as S
 from jaxmodels.layers import vision
 from jaxmodels.cache import Cache
 from serving.kv_pool import Group
@@ -32,15 +36,15 @@ def bucket(n: int, minimum: int = 1, cap: int | None = None) -> int:
     return min(b, cap) if cap and n <= cap else b
 
 
-def groups_of(cfg, max_len: int, block_size: int, dtype, cross_tokens: int = 0
+def groups_of(cfg, max_len: int, block_size: int, dtype, cross_tokens: int = 0, lookahead: int = 0
               ) -> tuple[list[Group], Cache, list[int], bool]:
     """The table groups, an abstract paged cache (layout, buffer shapes, per-row state), each buffer's space, and
     whether the model keeps per-sequence state (no prefix caching then). cross_tokens: Mllama's image-feature
-    tokens per row (`M.init_cache`)."""
-    tables = _no_tables(cfg, 1, max_len, block_size)
+    tokens per row, lookahead: spare ring slots for rejected drafts (`M.init_cache`)."""
+    tables = _no_tables(cfg, 1, max_len, block_size, lookahead)
     keys = list(tables)
     abstract = jax.eval_shape(lambda: M.init_cache(cfg, 1, max_len, dtype, block_size, tables,
-                                                   cross_tokens=cross_tokens))
+                                                   cross_tokens=cross_tokens, lookahead=lookahead))
     parent = list(range(len(keys)))  # union-find over groups that share a buffer
 
     def root(t):
@@ -70,9 +74,10 @@ def groups_of(cfg, max_len: int, block_size: int, dtype, cross_tokens: int = 0
     return groups, abstract, buffer_space, stateful
 
 
-def _no_tables(cfg, rows: int, max_len: int, block_size: int) -> dict:
+def _no_tables(cfg, rows: int, max_len: int, block_size: int, lookahead: int = 0) -> dict:
     """Every table group's block table, all entries unallocated: a paged cache of 0 blocks."""
-    return {k: np.full((rows, nb), -1, np.int32) for k, nb in kv.table_groups(cfg, max_len, block_size).items()}
+    return {k: np.full((rows, nb), -1, np.int32)
+            for k, nb in kv.table_groups(cfg, max_len, block_size, lookahead).items()}
 
 
 def block_bytes(abstract: Cache, buffer_space: list[int]) -> list[int]:
@@ -84,11 +89,12 @@ def block_bytes(abstract: Cache, buffer_space: list[int]) -> list[int]:
 
 
 def allocate(cfg, abstract: Cache, buffer_space: list[int], blocks: int, rows: int, max_len: int, dtype,
-             block_size: int, shard: sharding.Sharding | None = None, cross_tokens: int = 0) -> Cache:
+             block_size: int, shard: sharding.Sharding | None = None, cross_tokens: int = 0,
+             lookahead: int = 0) -> Cache:
     """The engine's cache: every buffer with `blocks` blocks, per-sequence state for `rows` rows. shard: the pools
     placed by the rules (kv heads over the tensor axis, where it divides them), the per-row state replicated."""
-    empty = M.init_cache(cfg, rows, max_len, dtype, block_size, _no_tables(cfg, rows, max_len, block_size),
-                         cross_tokens=cross_tokens)
+    empty = M.init_cache(cfg, rows, max_len, dtype, block_size, _no_tables(cfg, rows, max_len, block_size, lookahead),
+                         cross_tokens=cross_tokens, lookahead=lookahead)
     shapes = [((b.shape[0], blocks, *b.shape[2:]), b.dtype) for b in abstract.buffers]
     if shard is None:
         return Cache(tuple(jnp.zeros(*s) for s in shapes), (), empty.state, empty.extra, empty.layout)
@@ -110,9 +116,18 @@ def _trimmed(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(*parts)
 
 
-def _rows(cache: Cache, rows, tables) -> Cache:
+def draft_state(cfg, rows: int, max_len: int, dtype, k: int, shard: sharding.Sharding | None = None):
+    """The drafter's cache and state for every row (contiguous: a few window rings a row), replicated over the
+    mesh: (cache, state) as `speculative.observe` returns them."""
+    draft = (S.drafter_cache(cfg, rows, max_len, dtype, k), S.drafter_state(cfg, rows, dtype))
+    return draft if shard is None else jax.device_put(draft, NamedSharding(shard.mesh, PartitionSpec()))
+
+
+def _rows(cache: Cache, rows, tables=()) -> Cache:
+    """The rows' view of the cache: their state (and buffers, when contiguous), with their block tables."""
+    buffers = cache.buffers if cache.layout.paged else tuple(b[:, rows] for b in cache.buffers)
     state = tuple({n: a[:, rows] for n, a in kind.items()} for kind in cache.state)
-    return Cache(cache.buffers, tables, state, {n: a[rows] for n, a in cache.extra.items()}, cache.layout)
+    return Cache(buffers, tables, state, {n: a[rows] for n, a in cache.extra.items()}, cache.layout)
 
 
 CROSS = ("cross_k", "cross_v", "cross_mask")  # Mllama's kept image K/V and tile mask: written by prefill only
@@ -120,10 +135,22 @@ CROSS = ("cross_k", "cross_v", "cross_mask")  # Mllama's kept image K/V and tile
 
 def _merge(cache: Cache, sub: Cache, rows, keep=()) -> Cache:
     """The rows' state back into the cache; the state named in `keep` is left as it was (unchanged by the step)."""
+    buffers = sub.buffers if cache.layout.paged else tuple(b.at[:, rows].set(s_) for b, s_ in
+                                                            zip(cache.buffers, sub.buffers))
     state = tuple({n: a if n in keep else a.at[:, rows].set(sub.state[k][n]) for n, a in kind.items()}
                   for k, kind in enumerate(cache.state))
     extra = {n: a.at[rows].set(sub.extra[n]) for n, a in cache.extra.items()}
-    return Cache(sub.buffers, (), state, extra, cache.layout)
+    return Cache(buffers, (), state, extra, cache.layout)
+
+
+def _draft_rows(draft, rows):
+    cache, state = draft
+    return _rows(cache, rows), jax.tree.map(lambda a: a[rows], state)
+
+
+def _draft_merge(draft, sub, rows):
+    (cache, state), (sub_cache, sub_state) = draft, sub
+    return _merge(cache, sub_cache, rows), jax.tree.map(lambda a, b: a.at[rows].set(b), state, sub_state)
 
 
 def _filter(x, top_k, top_p, min_p):
@@ -141,6 +168,33 @@ def _filter(x, top_k, top_p, min_p):
     return jnp.where(cut & (top_p[:, None] < 1), -jnp.inf, x)  # top_p = 1: off (a rounded cumsum would cut a tail)
 
 
+def _distribution(logits, s, filtered: bool):
+    """What a sampled row draws from: logits [B, V] or [B, K, V] scaled by each row's temperature, and with
+    `filtered` cut by its top-k / min-p / top-p (two sorts of the vocabulary: only when a row asks for them)."""
+    hot = s["temperature"] > 0
+    t = jnp.where(hot, s["temperature"], 1.0)
+    x = sampling.scale(logits, t.reshape(-1, *(1,) * (logits.ndim - 1)))
+    if not filtered:
+        return x
+    cut = lambda x: _filter(x, s["top_k"], s["top_p"], s["min_p"])  # noqa: E731
+    return cut(x) if x.ndim == 2 else jax.vmap(cut, in_axes=1, out_axes=1)(x)
+
+
+def _keys(s):
+    """Each row's key for its next sample: its seed, folded with the samples it has drawn."""
+    return jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(s["seed"], s["index"])
+
+
+def _logprobs(raw, tok, top_n: int) -> tuple:
+    """The model's log-probabilities (raw logits [..., V]) of the tokens tok [...], and the top_n best [..., n]."""
+    lp = jax.nn.log_softmax(raw.astype(F32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tok[..., None], axis=-1)[..., 0]
+    if not top_n:
+        return chosen, jnp.zeros((*tok.shape, 0), jnp.int32), jnp.zeros((*tok.shape, 0), F32)
+    top_lp, top_ids = jax.lax.top_k(lp, top_n)
+    return chosen, top_ids, top_lp
+
+
 def _sample(logits, counts, rows, s, *, sampled: bool, filtered: bool, penalized: bool, top_n: int,
             logprobs: bool = True):
     """Next tokens [B] with per-row parameters s (arrays [B]); logprobs of the model's distribution (None
@@ -151,65 +205,129 @@ def _sample(logits, counts, rows, s, *, sampled: bool, filtered: bool, penalized
         logits = logits - s["frequency"][:, None] * c - s["presence"][:, None] * (c > 0)
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if sampled:
-        hot = s["temperature"] > 0
-        x = sampling.scale(logits, jnp.where(hot, s["temperature"], 1.0)[:, None])
-        if filtered:  # two sorts of the vocabulary: only when a row asks for top-k / top-p / min-p
-            x = _filter(x, s["top_k"], s["top_p"], s["min_p"])
-        keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(s["seed"], s["index"])
-        drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
-        tok = jnp.where(hot, drawn, tok)
+        drawn = jax.vmap(jax.random.categorical)(_keys(s), _distribution(logits, s, filtered)).astype(jnp.int32)
+        tok = jnp.where(s["temperature"] > 0, drawn, tok)
     if penalized:
         counts = counts.at[rows, tok].add(s["emit"].astype(counts.dtype))
     if not logprobs:
         return tok, None, None, None, counts
-    lp = jax.nn.log_softmax(raw.astype(F32), axis=-1)
-    chosen = jnp.take_along_axis(lp, tok[:, None], axis=1)[:, 0]
-    top = jax.lax.top_k(lp, top_n) if top_n else (jnp.zeros((tok.shape[0], 0), F32), jnp.zeros((tok.shape[0], 0), jnp.int32))
-    return tok, chosen, top[1], top[0], counts
+    return (tok, *_logprobs(raw, tok, top_n), counts)
 
 
 # the rows of the packed per-step inputs (one host-to-device transfer each)
-I_ROW, I_START, I_LEN, I_TOP_K, I_SEED, I_INDEX, I_EMIT, I_FEED = range(8)  # int32 [8, P]
+I_ROW, I_START, I_LEN, I_TOP_K, I_SEED, I_INDEX, I_EMIT, I_FEED, I_NEXT = range(9)  # int32 [9, P]
 F_TEMP, F_TOP_P, F_MIN_P, F_PRESENCE, F_FREQUENCY = range(5)  # float32 [5, P]
 BUFFER_AXES = ("layers", None, "kv_heads", None, "head_dim")  # a paged pool [L, blocks, H, block_size, w]
 
 
+def _row_params(ints, floats) -> dict:
+    """The rows' sampling parameters from the packed inputs."""
+    return {"temperature": floats[F_TEMP], "top_k": ints[I_TOP_K], "top_p": floats[F_TOP_P],
+            "min_p": floats[F_MIN_P], "seed": jax.lax.bitcast_convert_type(ints[I_SEED], jnp.uint32),
+            "index": ints[I_INDEX], "presence": floats[F_PRESENCE], "frequency": floats[F_FREQUENCY],
+            "emit": ints[I_EMIT] > 0}
+
+
+def _pools_placed(cache: Cache, shard) -> Cache:
+    """The pools keep the sharding they were allocated with (and their donation)."""
+    if shard is None:
+        return cache
+    return Cache(tuple(shard.constrain(b, BUFFER_AXES) for b in cache.buffers), cache.tables, cache.state,
+                 cache.extra, cache.layout)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "how", "sampled", "filtered", "penalized", "top_n", "logprobs",
                                              "splits", "shard"),
-                   donate_argnames=("cache", "counts", "last"), compiler_options=M.COMPILER_OPTIONS)
-def step(params, cache, counts, last, ints, floats, tables, tokens, images=None, *, cfg, how, sampled, filtered,
-         penalized, top_n, logprobs, splits, shard=None):
+                   donate_argnames=("cache", "draft", "counts", "last"), compiler_options=M.COMPILER_OPTIONS)
+def step(params, cache, draft, counts, last, ints, floats, tables, tokens, images=None, *, cfg, how, sampled,
+         filtered, penalized, top_n, logprobs, splits, shard=None):
     """Run rows [P] of the cache and sample each row's next token.
 
-    ints [8, P] / floats [5, P]: the per-row inputs packed (rows I_ROW, ... / F_TEMP, ...): cache row, start
+    ints [9, P] / floats [5, P]: the per-row inputs packed (rows I_ROW, ... / F_TEMP, ...): cache row, start
     (cached positions before the chunk; decode: the token's position, -1 for padding), chunk length, top-k, seed
     (uint32 bits), sample index, emit (the chunk ends the known sequence: its token counts for penalties and becomes
     the row's `last`), feed (decode: the input token is `last[row]`, the token the previous step sampled, which the
-    host has not read). tables [P, entries of every group] split at `splits`. tokens [P, T] (right-padded chunks).
-    images (extend, prefill): the chunks' image-token embeddings as `M.hidden` takes them (Mllama: the rows'
-    processed images, each row with images).
-    -> (cache, counts, last, (next token [P], and with `logprobs` its logprob [P], top ids [P, n], top logprobs))."""
+    host has not read), next (a chunk that does not end the known sequence: the token after it). tables [P, entries
+    of every group] split at `splits`. tokens [P, T] (right-padded chunks). images (extend, prefill): the chunks'
+    image-token embeddings as `M.hidden` takes them (Mllama: the rows' processed images, each row with images).
+    draft (extend of a speculating engine, else None): the drafter's (cache, state) of every row, which follows
+    the chunks (`speculative.observe`).
+    -> (cache, draft, counts, last, (next token [P], and with `logprobs` its logprob [P], top ids [P, n], top
+    logprobs))."""
     rows = ints[I_ROW]
-    s = {"temperature": floats[F_TEMP], "top_k": ints[I_TOP_K], "top_p": floats[F_TOP_P], "min_p": floats[F_MIN_P],
-         "seed": jax.lax.bitcast_convert_type(ints[I_SEED], jnp.uint32), "index": ints[I_INDEX],
-         "presence": floats[F_PRESENCE], "frequency": floats[F_FREQUENCY], "emit": ints[I_EMIT] > 0}
+    s = _row_params(ints, floats)
     start, lengths = ints[I_START], ints[I_LEN]
     sub = _rows(cache, rows, tuple(tables[:, a:b] for a, b in zip(splits[:-1], splits[1:])))
+    aux = None
     if how == "decode":
         tok_in = jnp.where(ints[I_FEED] > 0, last[rows], tokens[:, 0])
         logits, sub = M.decode_step(params, cfg, tok_in, start, sub, shard=shard)
+    elif how == "extend" and draft is not None:
+        logits, sub, aux = S.chunk(params, cfg, tokens, start, lengths, sub, shard=shard, images=images)
     elif how == "extend":
         logits, sub = M.extend(params, cfg, tokens, start, lengths, sub, shard=shard, images=images)
     else:  # prefill from position 0 (models without extend)
         logits, sub = M.prefill(params, cfg, tokens, jnp.maximum(lengths, 1), sub, shard=shard, images=images)
-    cache = _merge(cache, sub, rows, CROSS if how == "decode" else ())
-    if shard is not None:  # the pools keep the sharding they were allocated with (and their donation)
-        cache = Cache(tuple(shard.constrain(b, BUFFER_AXES) for b in cache.buffers), cache.tables, cache.state,
-                      cache.extra, cache.layout)
+    cache = _pools_placed(_merge(cache, sub, rows, CROSS if how == "decode" else ()), shard)
     tok, chosen, top_ids, top_lp, counts = _sample(logits, counts, rows, s, sampled=sampled, filtered=filtered,
                                                    penalized=penalized, top_n=top_n, logprobs=logprobs)
+    if aux is not None:  # the drafter reads each position with the token after it: the chunk's next, or `tok`
+        after = jnp.where(s["emit"], tok, ints[I_NEXT])
+        following = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))).at[jnp.arange(tokens.shape[0]),
+                                                                jnp.maximum(lengths - 1, 0)].set(after)
+        draft = _draft_merge(draft, S.observe(params, cfg, _draft_rows(draft, rows)[0], aux, following, start,
+                                              lengths), rows)
     last = last.at[rows].set(jnp.where(s["emit"], tok, last[rows]))
-    return cache, counts, last, ((tok, chosen, top_ids, top_lp) if logprobs else (tok,))
+    return cache, draft, counts, last, ((tok, chosen, top_ids, top_lp) if logprobs else (tok,))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "sampled", "filtered", "top_n", "logprobs", "splits",
+                                             "shard"),
+                   donate_argnames=("cache", "draft", "last"), compiler_options=M.COMPILER_OPTIONS)
+def verify_step(params, cache, draft, last, ints, floats, tables, tokens, *, cfg, k, sampled, filtered, top_n,
+                logprobs, splits, shard=None):
+    """A speculative decode step of rows [P] (`jaxmodels.speculative`): the drafter proposes k tokens after each
+    row's last token (drawn from the row's own sampling distribution), one target pass over the k + 1 positions
+    verifies them, and the rejection rule (greedy rows: the target's argmax) keeps a run of a drafts and adds the
+    target's own next token; the drafter's cache follows the a + 1 positions kept. Penalties are not applied (a
+    request with penalties decodes plainly).
+
+    ints / floats / tables / tokens [P, 1] as `step`'s for decode, except I_LEN: the positions a row may write
+    (k + 1, fewer near the end of its cache; 0 for padding rows, which write nothing).
+    -> (cache, draft, last, (tokens [P, k+1], count [P]: a row emits its first count tokens, and with `logprobs`
+    each token's logprob [P, k+1], top ids [P, k+1, n], top logprobs))."""
+    rows = ints[I_ROW]
+    s = _row_params(ints, floats)
+    pos, width = ints[I_START], ints[I_LEN]
+    sub = _rows(cache, rows, tuple(tables[:, a:b] for a, b in zip(splits[:-1], splits[1:])))
+    dcache, dstate = _draft_rows(draft, rows)
+    tok = jnp.where(ints[I_FEED] > 0, last[rows], tokens[:, 0])
+    hot, keys = s["temperature"] > 0, _keys(s)
+    subkeys = lambda i: jax.vmap(jax.random.fold_in, (0, None))(keys, i)  # noqa: E731  draft i; k: acceptance
+
+    def pick(i, row):
+        best = jnp.argmax(row, axis=-1).astype(jnp.int32)
+        if not sampled:
+            return best
+        drawn = jax.vmap(jax.random.categorical)(subkeys(i), _distribution(row, s, filtered)).astype(jnp.int32)
+        return jnp.where(hot, drawn, best)
+
+    drafts, dlogits, dcache = S.propose(params, cfg, dcache, dstate, tok, pos, k, pick)
+    logits, sub, aux = S.verify(params, cfg, jnp.concatenate([tok[:, None], drafts], axis=1), pos, sub, width, shard)
+    emitted, count = S.accept_greedy(logits, drafts)
+    if sampled:
+        p = jax.nn.softmax(_distribution(logits, s, filtered), axis=-1)
+        q = jax.nn.softmax(_distribution(dlogits, s, filtered), axis=-1)
+        one = lambda p, d, q, key: S.rejection(p[None], d[None], q[None], key)  # noqa: E731  each row its own key
+        drawn, n = jax.vmap(one)(p, drafts, q, subkeys(k))
+        emitted = jnp.where(hot[:, None], drawn[:, 0], emitted)
+        count = jnp.where(hot, n[:, 0], count)
+    count = jnp.minimum(count, width)
+    draft = _draft_merge(draft, S.observe(params, cfg, dcache, aux, emitted, pos, count), rows)
+    cache = _pools_placed(_merge(cache, sub, rows, CROSS), shard)
+    newest = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    last = last.at[rows].set(jnp.where(count > 0, newest, last[rows]))
+    return cache, draft, last, ((emitted, count, *_logprobs(logits, emitted, top_n)) if logprobs else (emitted, count))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "static"), compiler_options=M.COMPILER_OPTIONS)
@@ -312,16 +430,17 @@ WARM_SAMPLING = {"greedy": (False, False), "sampled": (True, False), "filtered":
 
 
 class Launched:
-    """A step dispatched to the device: its pieces, which of them sample a token, and the device arrays of the
-    results, already on their way to the host (`copy_to_host_async`). `fetch` waits for them."""
+    """A step dispatched to the device: its kind, its pieces, which of them sample a token, and the device arrays
+    of the results, already on their way to the host (`copy_to_host_async`). `fetch` waits for them."""
 
-    def __init__(self, pieces, emit: list[bool], out: tuple):
-        self.pieces, self.emit, self.out = pieces, emit, out
+    def __init__(self, how: str, pieces, emit: list[bool], out: tuple):
+        self.how, self.pieces, self.emit, self.out = how, pieces, emit, out
         for x in out:
             x.copy_to_host_async()
 
     def fetch(self) -> tuple:
-        """(tokens [P], and when asked for: logprobs [P], top ids [P, n], top logprobs [P, n]) as NumPy arrays."""
+        """(tokens [P], and when asked for: logprobs [P], top ids [P, n], top logprobs [P, n]) as NumPy arrays;
+        verify: (tokens [P, k+1], counts [P], and when asked for logprobs [P, k+1], top ids / logprobs [P, k+1, n])."""
         return tuple(np.asarray(x) for x in self.out)
 
 
@@ -330,15 +449,17 @@ class Runner:
     sampling parameters (set at admission), and dispatches scheduled pieces without waiting for them."""
 
     def __init__(self, model, groups, abstract, buffer_space, blocks: int, max_num_seqs: int, max_len: int,
-                 block_size: int, cross_tokens: int = 0):
+                 block_size: int, cross_tokens: int = 0, k: int = 0):
+        """k > 0: speculative decoding with k draft tokens (`abstract` made with lookahead k)."""
         self.model, self.cfg, self.groups = model, model.config, groups
         self.shard = model.sharding
         self.rows = max_num_seqs + 1  # the last: scratch, for padded rows
-        self.buffer_space, self.block_size = buffer_space, block_size
+        self.buffer_space, self.block_size, self.max_len, self.k = buffer_space, block_size, max_len, k
         self.splits = tuple(np.cumsum([0] + [g.entries for g in groups]).tolist())
         with sharding.entered(self.shard):
             self.cache = allocate(self.cfg, abstract, buffer_space, blocks, self.rows, max_len, model.dtype,
-                                  block_size, self.shard, cross_tokens)
+                                  block_size, self.shard, cross_tokens, k)
+            self.draft = draft_state(self.cfg, self.rows, max_len, model.dtype, k, self.shard) if k else None
         self.cross = cross_tokens > 0
         self.counts = None  # [rows, vocab], from when a request first uses penalties
         self.no_counts = self._zeros((1, 1))  # what steps without penalties take: their shape never changes
@@ -400,13 +521,14 @@ class Runner:
     def run(self, how: str, pieces, table: np.ndarray) -> Launched:
         """Dispatch pieces [(request, start, n)] of one kind (their rows' block tables in `table`, the pool's
         [rows, entries]); returns without waiting for the device. A piece that ends its request's known tokens
-        samples a token: the request's `pending` counts it until the engine reads it back."""
+        samples a token: the request's `pending` counts it until the engine reads it back. how: decode | verify
+        (a speculative decode step, its pieces decode pieces) | extend | prefill."""
         n = len(pieces)
-        decode = how == "decode"
+        decode = how in ("decode", "verify")
         # a decode step: at least 8 rows (it costs the same, fewer shapes); chunks: as `row_groups` grouped them
         P = bucket(n, 8 if decode else 1, cap=self.rows - 1)
         T = 1 if decode else chunk_width(max(k for _, _, k in pieces))
-        ints = np.zeros((8, P), np.int32)
+        ints = np.zeros((9, P), np.int32)
         rows, tokens = ints[I_ROW], np.zeros((P, T), np.int32)
         reqs = [r for r, _, _ in pieces]  # the only per-row Python: what lives on the request
         starts = [a for _, a, _ in pieces]
@@ -420,18 +542,22 @@ class Runner:
         ints[I_LEN, :n] = [k for _, _, k in pieces]
         ints[I_EMIT, :n] = emit
         if decode:
-            ints[I_START, n:] = -1
+            ints[I_START, n:] = -1 if how == "decode" else 0
             feed = [a >= kn for a, kn in zip(starts, known)]  # sampled by a step in flight: the device feeds it
             ints[I_FEED, :n] = feed
             tokens[:n, 0] = [0 if f else r.tokens[a] for r, a, f in zip(reqs, starts, feed)]
+            if how == "verify":  # the positions each row may write: k + 1 drafts and token, within its cache
+                ints[I_LEN, :n] = np.minimum(self.k + 1, self.max_len - np.asarray(starts))
         else:
             for i, (r, a, k) in enumerate(pieces):
                 assert a + k <= known[i], "a chunk's tokens are known"
                 tokens[i, :k] = r.tokens[a:a + k]
+                ints[I_NEXT, i] = r.tokens[a + k] if a + k < known[i] else 0
         params = self.row_ints[rows]
         ints[I_TOP_K], ints[I_SEED] = params[:, 0], params[:, 1]
         ints[I_INDEX] = self.sampled[rows]
-        self.sampled[rows[:n][np.asarray(emit, bool)]] += 1
+        # a verify step draws k drafts and the accepted run's samples from k + 1 keys of this index
+        self.sampled[rows[:n][np.asarray(emit, bool)]] += self.k + 1 if how == "verify" else 1
         floats = np.ascontiguousarray(self.row_floats[rows].T)
         hot = floats[F_TEMP] > 0
         sampled = bool(hot.any())
@@ -451,18 +577,29 @@ class Runner:
                      len(self.shapes))
         t = time.perf_counter()
         with sharding.entered(self.shard):
-            self.cache, counts, self.last, out = step(
-                self.model.params, self.cache, self.counts if penalized else self.no_counts, self.last, ints, floats,
-                table[rows], tokens, images, cfg=self.cfg, how=how, sampled=sampled, filtered=filtered,
-                penalized=penalized, top_n=top_n, logprobs=want >= 0, splits=self.splits, shard=self.shard)
-        if penalized:
-            self.counts = counts
-        else:
-            self.no_counts = counts
+            if how == "verify":
+                assert not penalized, "a request with penalties decodes plainly"
+                self.cache, self.draft, self.last, out = verify_step(
+                    self.model.params, self.cache, self.draft, self.last, ints, floats, table[rows], tokens,
+                    cfg=self.cfg, k=self.k, sampled=sampled, filtered=filtered, top_n=top_n, logprobs=want >= 0,
+                    splits=self.splits, shard=self.shard)
+            else:
+                draft = self.draft if how == "extend" else None  # the drafter follows every chunk
+                self.cache, draft, counts, self.last, out = step(
+                    self.model.params, self.cache, draft, self.counts if penalized else self.no_counts, self.last,
+                    ints, floats, table[rows], tokens, images, cfg=self.cfg, how=how, sampled=sampled,
+                    filtered=filtered, penalized=penalized, top_n=top_n, logprobs=want >= 0, splits=self.splits,
+                    shard=self.shard)
+                if penalized:
+                    self.counts = counts
+                else:
+                    self.no_counts = counts
+                if draft is not None:
+                    self.draft = draft
         t = time.perf_counter() - t
         self.dispatch_s += t
         self.compile_s += t if new else 0.0
-        return Launched(pieces, emit, out)
+        return Launched(how, pieces, emit, out)
 
     def _key(self, how, P, T, sampled, filtered, penalized, top_n, logprobs, images) -> tuple:
         """What tells compiled steps apart (beside the model, fixed for the runner)."""
@@ -480,12 +617,17 @@ class Runner:
         key = self._key(how, P, T, sampled, filtered, False, 0, False, None)
         if key in self.shapes:
             return None
-        ints, floats = np.zeros((8, P), np.int32), np.zeros((5, P), np.float32)
+        ints, floats = np.zeros((9, P), np.int32), np.zeros((5, P), np.float32)
         tables, tokens = np.zeros((P, self.splits[-1]), np.int32), np.zeros((P, T), np.int32)
+        flags = dict(cfg=self.cfg, sampled=sampled, filtered=filtered, top_n=0, logprobs=False, splits=self.splits,
+                     shard=self.shard)
         with sharding.entered(self.shard):
-            return key, step.lower(self.model.params, self.cache, self.no_counts, self.last, ints, floats, tables,
-                                   tokens, None, cfg=self.cfg, how=how, sampled=sampled, filtered=filtered,
-                                   penalized=False, top_n=0, logprobs=False, splits=self.splits, shard=self.shard)
+            if how == "verify":
+                return key, verify_step.lower(self.model.params, self.cache, self.draft, self.last, ints, floats,
+                                              tables, tokens, k=self.k, **flags)
+            return key, step.lower(self.model.params, self.cache, self.draft if how == "extend" else None,
+                                   self.no_counts, self.last, ints, floats, tables, tokens, None, how=how,
+                                   penalized=False, **flags)
 
     def lower_copy(self, n: int):
         """copy_blocks of n (a power of two) blocks per buffer, lowered as `copy` will call it."""

@@ -12,6 +12,9 @@ its piece is scheduled, and its `pending` tokens (sampled by steps in flight, no
 so a decoding request is scheduled again before its last token is known (the device feeds that token itself). One
 whose pending tokens surely end it (max_tokens, max_model_len) is not scheduled again; one that turns out to have
 stopped (EOS, a stop string) wastes that row of the step, and its extra token is dropped.
+
+A speculating request's decode step (`Request.draft` = k) writes k + 1 positions and counts k + 1 tokens of the
+budget; its `computed` advances by one when scheduled, and by the accepted drafts when the engine reads them.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class Batch:
 
 class Scheduler:
     def __init__(self, pool: KVPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 chunked_prefill: bool = True):
+                 chunked_prefill: bool = True, lookahead: int = 0):
         self.pool, self.max_num_seqs, self.chunked = pool, max_num_seqs, chunked_prefill
         self.max_model_len = max_model_len
         # without chunks a whole prompt must fit a step's budget (as vLLM requires), or long ones would starve
@@ -40,6 +43,7 @@ class Scheduler:
         # caching, chunks stay short enough that every full block of a ring reaches the cache (S - bs + 1).
         rings = [g.slots for g in pool.groups if g.ring] if pool.prefix_caching and chunked_prefill else []
         self.max_chunk = min(rings) - pool.block_size + 1 if rings else None
+        self.lookahead = lookahead  # the most draft tokens a request's step verifies (its ring slots to spare)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -64,6 +68,16 @@ class Scheduler:
                 return max(a - req.computed, 0)
         return n
 
+    def _cost(self, req: Request, n: int) -> int:
+        """Positions (and budget tokens) a piece of n tokens takes: a speculating decode step writes its drafts
+        too (the last known token and k drafts)."""
+        if req.draft and n == 1 and req.computed + 1 == len(req.tokens) + req.pending:
+            return 1 + min(req.draft, self.lookahead)
+        return n
+
+    def _allocate(self, req: Request, cost: int) -> None:
+        self.pool.allocate(req.blocks, req.computed, min(req.computed + cost, self.max_model_len))
+
     def surely_done(self, req: Request) -> bool:
         """Its pending tokens reach max_tokens or max_model_len, whatever they are."""
         limit = req.params.max_tokens or self.max_model_len
@@ -78,11 +92,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._size(req, budget)
-            if n == 0:
+            cost = self._cost(req, n)
+            if n == 0 or cost > budget:
                 i += 1
                 continue
             try:
-                self.pool.allocate(req.blocks, req.computed, req.computed + n)
+                self._allocate(req, cost)
             except OutOfBlocks:
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -91,7 +106,7 @@ class Scheduler:
                 continue
             batch.pieces.append((req, req.computed, n))
             req.computed += n
-            budget -= n
+            budget -= cost
             i += 1
         while self.waiting and not batch.preempted and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
@@ -100,10 +115,11 @@ class Scheduler:
             req.blocks = self.pool.new(req.salt, req.digests, row if len(self.pool.table) else None)
             req.computed = req.cached = self.pool.reuse(req.blocks, req.tokens)
             n = self._size(req, budget)
+            cost = self._cost(req, n)
             try:
-                if n == 0:
+                if n == 0 or cost > budget:
                     raise OutOfBlocks("budget")
-                self.pool.allocate(req.blocks, req.computed, req.computed + n)
+                self._allocate(req, cost)
             except OutOfBlocks:  # undone without a trace: it tries again next step, its digests kept
                 self.pool.release(req.blocks, touch=False)
                 req.blocks, req.computed, req.cached = None, 0, 0
@@ -115,7 +131,7 @@ class Scheduler:
             batch.admitted.append(req)
             batch.pieces.append((req, req.computed, n))
             req.computed += n
-            budget -= n
+            budget -= cost
         return batch
 
     def _preempt(self, req: Request, batch: Batch) -> None:

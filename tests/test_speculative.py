@@ -85,6 +85,14 @@ def test_extend_in_chunks_equals_the_forward(tiny):
         pos = pos + 1
 
 
+def test_a_forward_shorter_than_a_compression_group(tiny):
+    """A one-token forward (no complete group of 4 or 8: no compressed entry) gives the first position of a longer
+    one (V4's overlapping CSA groups used to fail to concatenate there)."""
+    cfg, params = tiny
+    seq = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    np.testing.assert_allclose(_forward(params, cfg, seq[:, :1]), _forward(params, cfg, seq)[:, :1], atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("k", [3])
 def test_a_rejected_tail_is_overwritten(tiny, k):
     """Each round extends k+1 tokens of which only the first a+1 are the true sequence (the rest: other random

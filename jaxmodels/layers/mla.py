@@ -90,9 +90,9 @@ def group_slots(kv, gate, r: int, overlap: bool):
     kv, gate = kv[:, :N * r].reshape(B, N, r, c), gate[:, :N * r].reshape(B, N, r, c)
     if not overlap:
         return kv, gate
-    h = c // 2
-    prev_kv = jnp.pad(kv[:, :-1, :, :h], ((0, 0), (1, 0), (0, 0), (0, 0)))
-    prev_g = jnp.pad(gate[:, :-1, :, :h], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=NEG)
+    h = c // 2  # each group's previous one: shifted by a group of padding (N may be 0: a chunk shorter than r)
+    prev_kv = jnp.pad(kv[..., :h], ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :N]
+    prev_g = jnp.pad(gate[..., :h], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=NEG)[:, :N]
     return jnp.concatenate([prev_kv, kv[..., h:]], axis=2), jnp.concatenate([prev_g, gate[..., h:]], axis=2)
 
 
