@@ -4,8 +4,13 @@ comes from wait4(), each starting with the files evicted from the page cache (re
 transformers' from_pretrained and the files' read rate (cat cold and cached; dd with O_DIRECT).
 
     python benchmarks/bench_convert.py [--old /tmp/oldrepo] [--ckpt /tmp/bench_convert/src] [--json out.json]
+                                       [--repeat 3] [--max-load 0.7]
 
---old: another checkout (e.g. `git archive HEAD | tar -x -C /tmp/oldrepo`) measured the same way.
+--old: another checkout (e.g. `git archive HEAD | tar -x -C /tmp/oldrepo`) measured the same way, its conversions
+checked to write the same files as this one's. --repeat: rounds, each measuring the disk (dd) and then old and new
+in turn; the summary gives min and median, and each rate's ratio to the median dd rate. --max-load: before each
+operation wait (up to 10 minutes) until the 1-minute load average is below it (a shared machine); the load each
+operation started at is in the JSON.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +38,7 @@ OPS = {
     'jm.load(hf_dir, dtype="bfloat16")': "import jax, jaxmodels as jm\nt=time.time()\nm = jm.load(SRC, "
                                          "dtype='bfloat16')\njax.block_until_ready(m.params)\nt=time.time()-t",
 }
+WRITES = {"convert --dtype bfloat16": "bf16", "convert --dtype float32": "f32"}  # op -> its output under OUT
 PEER = ("transformers from_pretrained", "import torch, transformers\nt=time.time()\n"
         "m = transformers.AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.bfloat16)\nt=time.time()-t")
 
@@ -121,34 +128,80 @@ def read_rates(src: Path) -> dict:
     return {"cat_gbs": cat, "cat_cold_gbs": cold, "dd_direct_gbs": size / (time.time() - t) / 1e9}
 
 
+def wait_for_quiet(max_load: float | None, limit_s: float = 600) -> float:
+    """The 1-minute load average once it is below max_load (or after limit_s): other processes' work on a shared
+    machine's cores shows up in every timing here."""
+    t = time.time()
+    while max_load is not None and os.getloadavg()[0] >= max_load and time.time() - t < limit_s:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
+def same_files(a: Path, b: Path) -> bool:
+    """Two converted directories hold the same files, byte for byte."""
+    files = lambda d: sorted(p.relative_to(d) for p in d.rglob("*") if p.is_file())  # noqa: E731
+    return files(a) == files(b) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files(a))
+
+
+def summary(rows: dict, rounds: list, size: int) -> None:
+    """min / median of each operation over the rounds, GB/s (of the source's bytes) and ratio to the median dd."""
+    dd = statistics.median(r["read"]["dd_direct_gbs"] for r in rounds)
+    print(f"\n{len(rounds)} round(s); dd O_DIRECT {min(r['read']['dd_direct_gbs'] for r in rounds):.2f}-"
+          f"{max(r['read']['dd_direct_gbs'] for r in rounds):.2f} GB/s, median {dd:.2f}; load at start "
+          f"{min(x['load'] for r in rounds for x in r['ops'].values()):.2f}-"
+          f"{max(x['load'] for r in rounds for x in r['ops'].values()):.2f}")
+    for op in rounds[0]["ops"]:
+        times = [r["ops"][op]["s"] for r in rounds]
+        best, med = min(times), statistics.median(times)
+        rows.setdefault("summary", {})[op] = {"min_s": best, "median_s": med, "median_gbs": size / med / 1e9,
+                                              "ratio_to_dd": size / med / 1e9 / dd}
+        print(f"{op:44} min {best:6.2f} s  median {med:6.2f} s  {size / med / 1e9:5.2f} GB/s  "
+              f"{size / med / 1e9 / dd:4.2f} x dd")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", type=Path, help="another checkout to measure the same way")
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/bench_convert/src"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--max-load", type=float)
     args = ap.parse_args()
     if not args.ckpt.exists():
         write_checkpoint(args.ckpt)
     size = sum(f.stat().st_size for f in args.ckpt.glob("*.safetensors"))
-    rows = {"checkpoint_gb": size / 1e9, "cpus": os.cpu_count(), "read": read_rates(args.ckpt)}
-    for label, root in (("old", args.old), ("new", ROOT)):
-        if root is None:
-            continue
-        out = args.ckpt.parent / label
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir()
+    rows = {"checkpoint_gb": size / 1e9, "cpus": os.cpu_count(), "rounds": []}
+    for _ in range(args.repeat):
+        wait_for_quiet(args.max_load)
+        rnd = {"read": read_rates(args.ckpt), "ops": {}}
+        rows["rounds"].append(rnd)
+        print(f"read: cat {rnd['read']['cat_cold_gbs']:.2f} GB/s cold, {rnd['read']['cat_gbs']:.2f} GB/s (page "
+              f"cache), dd O_DIRECT {rnd['read']['dd_direct_gbs']:.2f} GB/s", flush=True)
         for op, code in OPS.items():
-            evict(args.ckpt, out)
-            r = run(code, args.ckpt, out, root)
-            r["gbs"] = size / r["s"] / 1e9
-            rows[f"{label}: {op}"] = r
-            print(f"{label:4} {op:36} {r['s']:6.2f} s  peak RSS {r['peak_rss_gb']:5.2f} GB  {r['gbs']:5.2f} GB/s "
-                  f"(process {r['process_s']:.1f} s)", flush=True)
+            for label, root in (("old", args.old), ("new", ROOT)):
+                if root is None:
+                    continue
+                out = args.ckpt.parent / label
+                if op in WRITES:
+                    shutil.rmtree(out / WRITES[op], ignore_errors=True)
+                out.mkdir(exist_ok=True)
+                load = wait_for_quiet(args.max_load)
+                evict(args.ckpt, out)
+                r = run(code, args.ckpt, out, root) | {"load": load}
+                r["gbs"] = size / r["s"] / 1e9
+                rnd["ops"][f"{label}: {op}"] = r
+                print(f"{label:4} {op:36} {r['s']:6.2f} s  peak RSS {r['peak_rss_gb']:5.2f} GB  {r['gbs']:5.2f} GB/s "
+                      f"(process {r['process_s']:.1f} s, load {load:.2f})", flush=True)
+        if args.old is not None:
+            for sub in WRITES.values():
+                rnd[f"same {sub}"] = same_files(args.ckpt.parent / "old" / sub, args.ckpt.parent / "new" / sub)
+                print(f"old and new {sub} conversions write the same files: {rnd[f'same {sub}']}")
+    summary(rows, rows["rounds"], size)
+    wait_for_quiet(args.max_load)
     evict(args.ckpt)
     r = run(PEER[1], args.ckpt, args.ckpt.parent, ROOT)
     rows[PEER[0]] = r
     print(f"peer {PEER[0]:36} {r['s']:6.2f} s  peak RSS {r['peak_rss_gb']:5.2f} GB  {size / r['s'] / 1e9:5.2f} GB/s")
-    print(f"read: cat {rows['read']['cat_cold_gbs']:.2f} GB/s cold, {rows['read']['cat_gbs']:.2f} GB/s (page cache), dd O_DIRECT {rows['read']['dd_direct_gbs']:.2f} GB/s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

@@ -129,3 +129,13 @@ def test_an_unaligned_unstacked_leaf_is_assembled_into_an_aligned_buffer():
     value = raw[3:].view(np.uint8)
     params = hf.assemble([(("embed", ()), [hf.Part("embed", (), (), value)])])
     assert params["embed"].ctypes.data % 64 == 0 and params["embed"].tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("src_dtype", [BF16, np.float16])
+def test_a_widened_tensor_is_checked_for_non_finite_values(src_dtype):
+    """bf16/float16 -> float32 keeps every value: its NaN/Inf are counted on the (smaller) source, and found."""
+    x = np.ones((64, 64), src_dtype)
+    assert hf.check_values("w", x, transpose(x, np.float32)) is not None
+    x.reshape(-1)[[3, 700, 4000]] = [np.nan, np.inf, -np.inf]
+    with pytest.raises(hf.CheckpointError, match=r"w: 3 non-finite values"):
+        hf.check_values("w", x, transpose(x, np.float32))
