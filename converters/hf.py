@@ -3,6 +3,7 @@
 MTP blocks."""
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import re
@@ -235,7 +236,9 @@ def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: 
         bar.total = (bar.total or 0) + sum(source_bytes(reader, n) for n in dict.fromkeys(pm.name for pm in todo))
         bar.refresh()
     runs = [(name, list(pms)) for name, pms in itertools.groupby(todo, lambda pm: pm.name)]  # a tensor may feed
-    for value, (name, pms) in zip(prefetched(reader.get, [name for name, _ in runs]), runs):  # several in a row
+    sizes = [source_bytes(reader, name) for name, _ in runs]  # several in a row
+    budget = min(READ_AHEAD, max(sizes, default=0))
+    for value, (name, pms) in zip(prefetched(reader.get, [name for name, _ in runs], sizes, budget), runs):
         if bar is not None:
             bar.update(source_bytes(reader, name))
         for pm in pms:
@@ -245,17 +248,33 @@ def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: 
         del value  # freed before waiting for the next
 
 
-def prefetched(get, names: list):
-    """get(name) for each name in turn, the next one already being read (in a thread) while the caller works on
-    this one: the source's reads (O_DIRECT: the disk's time, not the CPU's) overlap the transforms. Holds at most
-    two values: the caller's and the next."""
+READ_AHEAD = 256 << 20  # bytes of source tensors read ahead at most (and at most the largest one's: see stream)
+
+
+def prefetched(get, names: list, sizes: list[int] | None = None, budget: int = 0):
+    """get(name) for each name in turn, read ahead in a thread while the caller works: the next one always, more
+    while those read ahead come to at most `budget` bytes (sizes: each name's). The reads (O_DIRECT: the disk's
+    time, not the CPU's) overlap the transforms, and the disk stays busy through a slow one."""
+    sizes = sizes or [0] * len(names)
     with ThreadPoolExecutor(1, thread_name_prefix="read") as pool:
-        ahead = pool.submit(get, names[0]) if names else None
-        for k in range(len(names)):
-            value = ahead.result()
-            ahead = pool.submit(get, names[k + 1]) if k + 1 < len(names) else None
-            yield value
-            del value
+        ahead, queued = collections.deque(), 0  # futures of names[k + 1:queued]
+
+        def read_ahead(k):
+            nonlocal queued
+            while queued < len(names) and (queued <= k + 1 or 0 < sum(sizes[k + 1:queued + 1]) <= budget):
+                ahead.append(pool.submit(get, names[queued]))
+                queued += 1
+
+        try:
+            for k in range(len(names)):
+                read_ahead(k - 1)
+                value = ahead.popleft().result()
+                read_ahead(k)
+                yield value
+                del value
+        finally:
+            for f in ahead:  # the caller stopped (an error): reads not started are dropped
+                f.cancel()
 
 
 def _convert(pm: Placement, value, dt) -> list[tuple[str, np.ndarray]]:

@@ -23,6 +23,7 @@ converts only the rest. Other temporaries of dead processes are removed.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import glob
@@ -171,32 +172,43 @@ def write(dst: str | Path, cfg: ModelConfig, items_for, tokenizer=None, overwrit
     return dst
 
 
-IN_FLIGHT = 256 << 20  # bytes a slice being written may hold while the next is read and converted
+IN_FLIGHT = 256 << 20  # bytes of converted slices that may wait to be written while the next is produced
 
 
 def _write_all(root: Path, items, journal, records: list) -> None:
-    """Write each item's parts and journal them, in a writer thread: the disk writes overlap the next tensor's
-    read and transform. The item being written counts towards host memory, so one larger than IN_FLIGHT is
-    finished before the next is produced (peak: about two tensors + IN_FLIGHT)."""
+    """Write each item's parts and journal them, in order, in a writer thread: the disk writes overlap the next
+    tensors' reads and transforms. Items wait in a queue of at most the largest item's bytes so far (the disk stays
+    busy through a slow transform) and at most IN_FLIGHT: they count towards host memory, so one larger than that
+    is written before the next is produced (peak: about three tensors + IN_FLIGHT)."""
+    stop = threading.Event()  # set by an error or an interruption: the writes queued behind it are not made
+
     def write(key, parts):
-        written = [_put(root, part) for part in parts]
+        if stop.is_set():
+            return
+        try:
+            written = [_put(root, part) for part in parts]
+        except BaseException:
+            stop.set()
+            raise
         records.extend(written)
         journal.write(json.dumps([[key[0], list(key[1])], written]) + "\n")
         journal.flush()
 
     with ThreadPoolExecutor(1, thread_name_prefix="write") as writer:
-        pending = None
-        it = iter(items)
-        while True:
-            if pending is not None and pending[1] > IN_FLIGHT:
-                pending[0].result()
-            item = next(it, None)
-            if pending is not None:
-                pending[0].result()
-            if item is None:
-                return
-            pending = writer.submit(write, *item), sum(p.value.nbytes for p in item[1])
-            del item
+        queue, largest = collections.deque(), 0  # (future, bytes) in order
+        try:
+            for item in items:
+                size = sum(p.value.nbytes for p in item[1])
+                largest = max(largest, size)
+                queue.append((writer.submit(write, *item), size))
+                del item
+                while queue and sum(n for _, n in queue) > min(largest, IN_FLIGHT):
+                    queue.popleft()[0].result()
+            while queue:
+                queue.popleft()[0].result()
+        except BaseException:
+            stop.set()
+            raise
 
 
 def _put(root: Path, part: Part) -> list:

@@ -3,6 +3,8 @@ bf16 -> float32 written into the high halves) equals numpy's transposed copy for
 with O_DIRECT (`checkpoint.read_range`) equals the file's bytes at any offset and length; the read-ahead yields
 every tensor in order, holds at most two, and raises a read's error at that tensor."""
 import os
+import threading
+import time
 import warnings
 import weakref
 
@@ -121,6 +123,24 @@ def test_the_read_ahead_yields_in_order_and_holds_two(monkeypatch):
     with pytest.raises(ValueError, match="cannot read bad"):
         next(it)
     assert "e" not in asked
+
+
+def test_the_read_ahead_goes_as_far_as_its_budget():
+    """Tensors of 10 bytes, a budget of 25: two read ahead of the one the caller holds, never three."""
+    asked, more = [], threading.Event()
+
+    def get(name):
+        asked.append(name)
+        if len(asked) == 3:
+            more.set()
+        return name
+
+    it = hf.prefetched(get, list("abcdef"), [10] * 6, budget=25)
+    assert next(it) == "a"
+    assert more.wait(10), "the reads went ahead"
+    time.sleep(0.2)
+    assert asked == list("abc")
+    assert list(it) == list("bcdef")
 
 
 def test_an_unaligned_unstacked_leaf_is_assembled_into_an_aligned_buffer():
