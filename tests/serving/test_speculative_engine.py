@@ -280,3 +280,19 @@ def test_bad_speculative_settings_are_refused():
         EngineConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="cannot hold one speculative step"):
         EngineConfig(max_num_batched_tokens=3, num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("mesh", ["data=2,tensor=4", pytest.param("explicit tensor=8", marks=pytest.mark.heavy)])
+def test_a_speculating_engine_on_a_mesh_equals_generate(mesh):
+    """The pools split by kv head, the drafter's rows replicated: greedy tokens as one device gives them (an
+    `Explicit`-axes mesh from jax.make_mesh too)."""
+    from jaxmodels import sharding
+
+    model = _model("v4")
+    mesh = jax.make_mesh((8,), ("tensor",)) if mesh.startswith("explicit") else sharding.make_mesh(mesh)
+    placed = jm.Model(model.config, sharding.shard_params(model.params, model.config, mesh), None, mesh)
+    prompts = _prompts(model.config.vocab_size)[:4]
+    engine = Engine(placed, EngineConfig(**ENGINES["v4"]))
+    got, _ = _run(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert got == [w[:8] for w in _want("v4")[:4]]
+    assert engine.stats()["spec_steps"] > 0
