@@ -12,12 +12,14 @@ from tqdm.auto import tqdm
 from converters.hf import PREFIXES, assemble, import_sharded, normalize, stream
 from converters.quant import MXFP4Reader
 from converters.safetensors_io import INDEX, CheckpointError, SafetensorsReader, TorchReader
-from jaxmodels import families, files
+from jaxmodels import checkpoint, families, files
 from jaxmodels.checkpoint import FORMAT_VERSION
 from jaxmodels.config import ModelConfig
 from jaxmodels.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+RECYCLE = 512 << 20  # bytes of free tensor buffers kept for reuse during a conversion or import (see BufferPool)
 
 __all__ = ["convert", "export", "read_source", "read_source_sharded", "open_source", "CheckpointError"]
 
@@ -106,7 +108,7 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool | None =
     """
     cfg, reader, fam, tok = open_source(src)
     items = source_items(cfg, reader, fam, tok, dtype, keep_quantized, skip_mtp)
-    with _bar(progress, "import", leave=False) as bar:
+    with _bar(progress, "import", leave=False) as bar, checkpoint.recycling(RECYCLE):
         return cfg, assemble(items(bar=bar)), tok
 
 
@@ -146,7 +148,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", overwrite
     items = source_items(cfg, reader, fam, tok, dtype, keep_quantized, skip_mtp)
     job = {"format_version": FORMAT_VERSION, "src": str(Path(src).resolve()), "files": _fingerprint(Path(src)),
            "dtype": dtype, "keep_quantized": keep_quantized, "skip_mtp": skip_mtp}
-    with _bar(progress, "convert", leave=True) as bar:
+    with _bar(progress, "convert", leave=True) as bar, checkpoint.recycling(RECYCLE):
         out = orbax_io.write(dst, cfg, lambda done: items(done, bar), tok, overwrite=overwrite, src=src, job=job)
     log.info("converted %s -> %s", src, out)
     return out

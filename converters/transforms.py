@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ml_dtypes
 import numpy as np
 
-from jaxmodels.checkpoint import aligned_empty
+from jaxmodels.checkpoint import scratch
 
 
 def _prod(s):
@@ -30,24 +30,29 @@ def transpose(x: np.ndarray, dtype=None) -> np.ndarray:
     np.ascontiguousarray(x.T, dtype): in tiles, bands of TILE output rows in threads (numpy releases the GIL).
     The conversion's costliest step: numpy's own runs at 0.28 GB/s on a bf16 [5632, 2048], this at ~2 GB/s a core.
     bf16 -> float32 moves 16-bit values into the high halves of a zeroed output (the low halves of an exact
-    widening are zero): as fast as a bf16 transpose, where ml_dtypes' cast in the copy costs 30% more."""
+    widening are zero): 20% faster than ml_dtypes' cast in the copy. The output is `scratch` (recycled in a
+    conversion)."""
     dtype = np.dtype(dtype or x.dtype)
     if x.ndim != 2 or x.size < (1 << 18):
         return np.ascontiguousarray(x.T, dtype)
     rows, cols = x.shape
     widen = (x.dtype, dtype) in WIDENS and sys.byteorder == "little"
-    out = aligned_empty((cols, rows), dtype, zeroed=widen)  # page-aligned: written straight to disk (O_DIRECT)
+    out = scratch((cols, rows), dtype)  # page-aligned: written straight to disk (O_DIRECT)
     src, dst = (x.view(np.uint16), out.view(np.uint16)[:, 1::2]) if widen else (x, out)
-    list(_pool().map(functools.partial(_band, src, dst, np.geterr()), range(0, cols, TILE)))
+    zero = out.view(np.uint32) if widen else None
+    list(_pool().map(functools.partial(_band, src, dst, zero, np.geterr()), range(0, cols, TILE)))
     return out
 
 
-def _band(x: np.ndarray, out: np.ndarray, errors: dict, j: int) -> None:
-    """out[j:j + TILE] = x[:, j:j + TILE].T, a tile at a time through a staged copy. numpy's transposed copy reads
-    down a column of its source for each output row; where the source rows are a power of two of bytes apart
-    (hidden 2048, 4096: most weights) those reads all fall into one L1 cache set and miss: 3x slower. The staged
-    rows are TILE + PAD elements apart. errors: the caller's np.errstate (it is per thread)."""
+def _band(x: np.ndarray, out: np.ndarray, zero: np.ndarray | None, errors: dict, j: int) -> None:
+    """out[j:j + TILE] = x[:, j:j + TILE].T, a tile at a time through a staged copy (zero[j:j + TILE] zeroed first:
+    the low halves of a widening). numpy's transposed copy reads down a column of its source for each output row;
+    where the source rows are a power of two of bytes apart (hidden 2048, 4096: most weights) those reads all fall
+    into one L1 cache set and miss: 3x slower. The staged rows are TILE + PAD elements apart. errors: the caller's
+    np.errstate (it is per thread)."""
     w = min(TILE, x.shape[1] - j)
+    if zero is not None:
+        zero[j:j + w] = 0  # a memset of the band, in cache when its high halves are written
     stage = np.empty((TILE, TILE + PAD), x.dtype)
     with np.errstate(**errors):
         for i in range(0, x.shape[0], TILE):

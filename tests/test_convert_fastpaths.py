@@ -159,3 +159,46 @@ def test_a_widened_tensor_is_checked_for_non_finite_values(src_dtype):
     x.reshape(-1)[[3, 700, 4000]] = [np.nan, np.inf, -np.inf]
     with pytest.raises(hf.CheckpointError, match=r"w: 3 non-finite values"):
         hf.check_values("w", x, transpose(x, np.float32))
+
+
+def _pooled(a: np.ndarray) -> bool:
+    """a's memory is a pool buffer (the owner at the end of its base chain is not an array)."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return not isinstance(a, np.ndarray)
+
+
+def test_a_pool_buffer_comes_back_only_when_its_last_view_is_gone():
+    with checkpoint.recycling(keep=64 << 20) as pool:
+        a = checkpoint.scratch((3 << 20,), np.uint8)
+        first = a.ctypes.data
+        assert first % checkpoint.DATA_OFFSET == 0
+        view = a[10:20].view(np.uint16)
+        del a
+        b = checkpoint.scratch((3 << 20,), np.uint8)
+        assert b.ctypes.data != first, "handed out again while a view of it lives"
+        view[:] = 7
+        del view
+        c = checkpoint.scratch((1 << 20,), np.float32)  # 4 MiB: fits the buffer just freed (3 MiB, rounded up)
+        assert c.ctypes.data == first
+        del b, c
+        big = [checkpoint.scratch((40 << 20,), np.uint8) for _ in range(3)]
+        del big
+        assert sum(map(len, pool._free)) <= 64 << 20, "free buffers beyond keep are dropped"
+        kept = checkpoint.scratch((5 << 20,), np.uint8)
+        kept[:] = 3
+        small = checkpoint.scratch((1000,), np.uint8)
+        assert _pooled(kept) and not _pooled(small), "small arrays: malloc"
+    assert pool.closed and not pool._free
+    assert (kept == 3).all(), "an array outlives the pool"
+    assert not _pooled(checkpoint.scratch((5 << 20,), np.uint8)), "no pool: malloc"
+
+
+def test_a_widening_transpose_into_a_recycled_buffer_zeroes_the_low_halves():
+    x = _every_pattern(BF16, (600, 1100))
+    with checkpoint.recycling(keep=64 << 20):
+        dirty = checkpoint.scratch((1100, 600), np.float32)
+        dirty.view(np.uint8)[:] = 0xFF
+        del dirty
+        got = transpose(x, np.float32)
+        assert got.tobytes() == np.ascontiguousarray(x.T, np.float32).tobytes()
