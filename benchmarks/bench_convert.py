@@ -15,6 +15,7 @@ operation started at is in the JSON.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import math
 import os
@@ -37,6 +38,8 @@ OPS = {
                           "jax.block_until_ready(m.params)\nt=time.time()-t",
     'jm.load(hf_dir, dtype="bfloat16")': "import jax, jaxmodels as jm\nt=time.time()\nm = jm.load(SRC, "
                                          "dtype='bfloat16')\njax.block_until_ready(m.params)\nt=time.time()-t",
+    'jm.load(hf_dir, dtype="float32")': "import jax, jaxmodels as jm\nt=time.time()\nm = jm.load(SRC, "
+                                        "dtype='float32')\njax.block_until_ready(m.params)\nt=time.time()-t",
 }
 WRITES = {"convert --dtype bfloat16": "bf16", "convert --dtype float32": "f32"}  # op -> its output under OUT
 PEER = ("transformers from_pretrained", "import torch, transformers\nt=time.time()\n"
@@ -138,9 +141,10 @@ def wait_for_quiet(max_load: float | None, limit_s: float = 600) -> float:
 
 
 def same_files(a: Path, b: Path) -> bool:
-    """Two converted directories hold the same files, byte for byte."""
+    """Two converted directories hold the same files, byte for byte (compared in small chunks: this process's
+    peak RSS is where every child's ru_maxrss starts)."""
     files = lambda d: sorted(p.relative_to(d) for p in d.rglob("*") if p.is_file())  # noqa: E731
-    return files(a) == files(b) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files(a))
+    return files(a) == files(b) and all(filecmp.cmp(a / f, b / f, shallow=False) for f in files(a))
 
 
 def summary(rows: dict, rounds: list, size: int) -> None:
