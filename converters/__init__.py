@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from converters.hf import PREFIXES, assemble, import_sharded, normalize, stream
+from converters.hf import PREFIXES, Leaves, assemble, import_sharded, normalize, stream
 from converters.quant import MXFP4Reader
 from converters.safetensors_io import INDEX, CheckpointError, SafetensorsReader, TorchReader
 from jaxmodels import checkpoint, families, files
@@ -52,17 +52,19 @@ def _plan_kw(fam) -> dict:
 
 def source_items(cfg, reader, fam, tok, dtype: str = "float32", keep_quantized: bool = False,
                  skip_mtp: bool = False):
-    """items(done, bar) -> the converted placements of an opened source as `hf.stream` items, leaving out the
-    keys in `done`. keep_quantized, skip_mtp: see `read_source`."""
+    """items(done, bar, into) -> the converted placements of an opened source as `hf.stream` items, leaving out
+    the keys in `done` (into: see `hf.stream`; DeepSeek's go through assemble's copy). keep_quantized, skip_mtp:
+    see `read_source`."""
     if keep_quantized and not fam.quantized:
         raise ValueError(f"keep_quantized applies to DeepSeek V4's FP8/FP4 checkpoints, not to {cfg.family}")
     if not fam.quantized:
-        return lambda done=frozenset(), bar=None: stream(reader, cfg, families.name_map(fam, cfg), dtype, fam.skip,
-                                                         done=done, bar=bar, **_plan_kw(fam))
+        return lambda done=frozenset(), bar=None, into=None: stream(reader, cfg, families.name_map(fam, cfg), dtype,
+                                                                    fam.skip, done=done, bar=bar, into=into,
+                                                                    **_plan_kw(fam))
     from converters import deepseek
 
-    return lambda done=frozenset(), bar=None: deepseek.items(reader, cfg, tok, dtype, keep_quantized, skip_mtp,
-                                                             done, bar)
+    return lambda done=frozenset(), bar=None, into=None: deepseek.items(reader, cfg, tok, dtype, keep_quantized,
+                                                                        skip_mtp, done, bar)
 
 
 class ByteBar(tqdm):
@@ -108,8 +110,9 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool | None =
     """
     cfg, reader, fam, tok = open_source(src)
     items = source_items(cfg, reader, fam, tok, dtype, keep_quantized, skip_mtp)
+    leaves = Leaves()
     with _bar(progress, "import", leave=False) as bar, checkpoint.recycling(RECYCLE):
-        return cfg, assemble(items(bar=bar)), tok
+        return cfg, assemble(items(bar=bar, into=leaves), leaves), tok
 
 
 def read_source_sharded(src: str | Path, mesh, rules="tp", dtype: str = "float32"):

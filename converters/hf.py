@@ -4,6 +4,7 @@ MTP blocks."""
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import re
@@ -222,13 +223,14 @@ def source_bytes(reader, name: str) -> int:
 
 
 def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: tuple[str, ...] = (), *,
-           done=frozenset(), bar=None, **plan_kw):
-    """Every checkpoint tensor read once (in turn: at most two held, the next one read ahead), transformed and
-    cast: an iterator of (key, [Part]), key = (param path, index) per placement. Each parameter takes `dtype`
-    unless its ParamSpec keeps fp32 or int32; Quantized values stay bytes (a Part per suffix). Every converted
-    tensor is checked (`check_values`): finite, representable, of a fitting kind. Placements whose key is in
-    `done` are left out and their tensors not read. bar: a tqdm advanced by the bytes read. plan_kw: as
-    plan_import (checked before the first item)."""
+           done=frozenset(), bar=None, into: Leaves | None = None, **plan_kw):
+    """Every checkpoint tensor read once (in turn; read ahead in a thread, up to READ_AHEAD bytes and no more than
+    the largest tensor's), transformed and cast: an iterator of (key, [Part]), key = (param path, index) per
+    placement. Each parameter takes `dtype` unless its ParamSpec keeps fp32 or int32; Quantized values stay bytes
+    (a Part per suffix). Every converted tensor is checked (`check_values`): finite, representable, of a fitting
+    kind. Placements whose key is in `done` are left out and their tensors not read. bar: a tqdm advanced by the
+    bytes read. into: the Leaves that `assemble` fills: a transposed tensor is written straight into its slot.
+    plan_kw: as plan_import (checked before the first item)."""
     target = np_dtype(dtype)
     specs = plan_kw.setdefault("specs", flatten(param_specs(cfg)))
     todo = [pm for pm in plan_import(reader, cfg, names, skip, **plan_kw) if (pm.path, pm.index) not in done]
@@ -242,9 +244,10 @@ def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: 
         if bar is not None:
             bar.update(source_bytes(reader, name))
         for pm in pms:
-            lead = specs[pm.path].shape[:len(pm.index)]
+            lead, dt = specs[pm.path].shape[:len(pm.index)], np.dtype(specs[pm.path].dtype or target)
+            slot = None if into is None else functools.partial(into.slot, pm.path, lead, pm.index, pm.want, dt)
             yield (pm.path, pm.index), [Part(pm.path + suffix, lead, pm.index, v)
-                                        for suffix, v in _convert(pm, value, np.dtype(specs[pm.path].dtype or target))]
+                                        for suffix, v in _convert(pm, value, dt, slot)]
         del value  # freed before waiting for the next
 
 
@@ -277,15 +280,17 @@ def prefetched(get, names: list, sizes: list[int] | None = None, budget: int = 0
                 f.cancel()
 
 
-def _convert(pm: Placement, value, dt) -> list[tuple[str, np.ndarray]]:
-    """[(path suffix, value)] of one placement: the tensor transformed and cast, or a Quantized weight's bytes."""
+def _convert(pm: Placement, value, dt, slot=None) -> list[tuple[str, np.ndarray]]:
+    """[(path suffix, value)] of one placement: the tensor transformed and cast, or a Quantized weight's bytes.
+    slot() -> where a transposed value goes (C-contiguous, pm.want), or None: a new array."""
     if isinstance(value, Quantized):  # kept in the checkpoint's [out, in] layout: only nn.Linear-style weights
         if pm.transform not in ("T", "copy"):
             raise CheckpointError(f"{pm.name}: a weight kept quantized cannot take the {pm.transform!r} transform")
         return list(value.items())
     with np.errstate(over="ignore"):  # an overflow is check_values' error, not a warning
         if pm.transform in ("T", "T_out"):  # cast while transposing: no copy in the source dtype
-            v = transpose(np.asarray(value), dt).reshape(pm.want)
+            src, out = np.asarray(value), None if slot is None else slot()
+            v = transpose(src, dt, None if out is None else out.reshape(src.shape[::-1])).reshape(pm.want)
         else:
             v = np.asarray(_transform(pm.transform)[1](value, pm.want)).astype(dt, copy=False)
             if not v.flags.writeable:  # a view of the source (GGUF's read-only file map): own it
@@ -293,22 +298,37 @@ def _convert(pm: Placement, value, dt) -> list[tuple[str, np.ndarray]]:
     return [("", check_values(pm.name, value, v))]
 
 
-def assemble(items) -> dict:
-    """The parameter tree of `stream`'s items, each stacked leaf allocated once (page-aligned, so that jax can
-    adopt it without a copy) and filled slot by slot."""
-    from jaxmodels.checkpoint import aligned_empty
+class Leaves(dict):
+    """{leaf path: array} of the parameters being assembled; a stacked leaf is allocated on first use (page-aligned,
+    so that jax adopts it without a copy) and filled slot by slot."""
 
-    out: dict[str, np.ndarray] = {}
+    def slot(self, leaf: str, lead: tuple[int, ...], index: tuple[int, ...], shape: tuple[int, ...],
+             dtype) -> np.ndarray | None:
+        """leaf[index] (C-contiguous, `shape`), for a stacked leaf; None for a whole one (its value becomes it)."""
+        from jaxmodels.checkpoint import aligned_empty
+
+        if not index:
+            return None
+        if leaf not in self:
+            self[leaf] = aligned_empty(lead + tuple(shape), dtype)
+        return self[leaf][index]
+
+
+def assemble(items, leaves: Leaves | None = None) -> dict:
+    """The parameter tree of `stream`'s items, in `leaves` (the `into` of the stream, whose transposes are then
+    already in place: no copy, and the leaves' first touch, a page fault per page, is spread over the transposing
+    threads)."""
+    out = Leaves() if leaves is None else leaves
     for _, parts in items:
         for p in parts:
             if p.index:
-                if p.leaf not in out:
-                    out[p.leaf] = aligned_empty(p.lead + p.value.shape, p.value.dtype)
-                out[p.leaf][p.index] = p.value
+                slot = out.slot(p.leaf, p.lead, p.index, p.value.shape, p.value.dtype)
+                if slot.ctypes.data != p.value.ctypes.data:
+                    slot[...] = p.value
             else:
                 out[p.leaf] = p.value if p.value.ctypes.data % 64 == 0 else _aligned_copy(p.value)
         del parts
-    return unflatten(out)
+    return unflatten(dict(out))
 
 
 def _aligned_copy(a: np.ndarray) -> np.ndarray:
@@ -326,7 +346,8 @@ def import_params(reader, cfg: ModelConfig, names: dict, dtype: str = "float32",
     """Host (NumPy) parameters: `stream`'s items assembled in memory. plan_kw: as plan_import."""
     with tqdm(desc="import", unit="B", unit_scale=True, unit_divisor=1000, disable=not progress,
               leave=False) as bar:
-        return assemble(stream(reader, cfg, names, dtype, skip, bar=bar, **plan_kw))
+        leaves = Leaves()
+        return assemble(stream(reader, cfg, names, dtype, skip, bar=bar, into=leaves, **plan_kw), leaves)
 
 
 def import_sharded(reader, cfg: ModelConfig, names: dict, shardings: dict, dtype: str = "float32",

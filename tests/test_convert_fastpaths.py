@@ -202,3 +202,36 @@ def test_a_widening_transpose_into_a_recycled_buffer_zeroes_the_low_halves():
         del dirty
         got = transpose(x, np.float32)
         assert got.tobytes() == np.ascontiguousarray(x.T, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_import_transposing_into_its_leaves_equals_one_that_copies(tmp_path, monkeypatch, dtype):
+    """read_source writes each transposed tensor straight into its stacked leaf's slot: the same parameters, byte
+    for byte, as assembling the stream's own arrays (tensors large enough for the tiled transpose)."""
+    import converters
+    from tests.test_convert_scale import write_checkpoint
+
+    write_checkpoint(tmp_path / "src", "llama", layers=2, d=512, inter=1536, vocab=1024)
+    into, real = [], hf.transpose
+    monkeypatch.setattr(hf, "transpose", lambda x, dt, out=None: into.append(out is not None) or real(x, dt, out))
+    _, direct, _ = converters.read_source(tmp_path / "src", dtype, progress=False)
+    assert into.count(True) == 2 * 7, "every stacked weight (7 a layer) transposed into its slot"
+    monkeypatch.setattr(hf, "transpose", real)
+    cfg, reader, fam, tok = converters.open_source(tmp_path / "src")
+    copied = hf.assemble(converters.source_items(cfg, reader, fam, tok, dtype)())
+    from jaxmodels.plan import flatten
+
+    a, b = flatten(direct), flatten(copied)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes(), k
+    w_up = a["layers/0/mlp/w_up"]
+    assert w_up.shape[1:] == (512, 1536) and w_up.ctypes.data % 64 == 0
+
+
+def test_transpose_into_a_wrong_out_is_refused():
+    x = np.zeros((600, 700), BF16)
+    with pytest.raises(ValueError, match="needs C-contiguous float32"):
+        transpose(x, np.float32, np.zeros((600, 700), np.float32))
+    out = np.zeros((700, 600), np.float32)
+    assert transpose(x, np.float32, out) is out
