@@ -173,7 +173,12 @@ def main():
     ap.add_argument("--sampling", action="store_true", help="time the sampling rule instead of greedy")
     ap.add_argument("--out", default=None, help="write the rows as JSON")
     ap.add_argument("--engine", action="store_true", help="time the serving engine's steps (see the docstring)")
+    ap.add_argument("--no-gathered", action="store_true", help="MoE decode through XLA's gather, not the kernel")
     args = ap.parse_args()
+    if args.no_gathered:
+        from jaxmodels.layers import gathered
+
+        gathered.fits = lambda x, w: False
     block = max(args.k, 4)
     if args.tiny:
         cfg, dtype = tiny_config(block), jnp.float32

@@ -409,8 +409,10 @@ class Engine:
             req, start, n = p
             images = req.features is not None or req.cross is not None
             is_decode = n == 1 and (start > 0 or self.runner.extend_ok) and (not images or start >= len(req.prompt))
-            # image tokens go through extend / prefill; the last known token of a speculating request, verify
-            (chunks if not is_decode else verify if req.draft and start + 1 == len(req.tokens) else decode).append(p)
+            if req.draft:  # a speculating request verifies drafts after its generated tokens, and its drafter
+                (verify if req.verifies(start, n) else chunks).append(p)  # follows every other piece (chunks)
+            else:  # image tokens go through extend / prefill
+                (decode if is_decode else chunks).append(p)
         table, out = self.pool.table, []
         # Mllama: rows with images run apart (in a batch, a row without images would attend to the others' padding)
         for part in ([p for p in chunks if p[0].cross is None], [p for p in chunks if p[0].cross is not None]):
@@ -450,14 +452,14 @@ class Engine:
         holds the positions of the kept drafts (the rejected ones' writes lie past them, overwritten later)."""
         toks, counts = res[0].tolist(), res[1].tolist()
         c, outputs = self.counters, []
-        for i, (req, _, _) in enumerate(x.pieces):
+        for i, (req, start, _) in enumerate(x.pieces):
             req.pending -= 1
             if req.finished:
                 continue
             count = counts[i]
             req.computed += count - 1
             c["spec_steps"] += 1
-            c["spec_draft_tokens"] += self.k
+            c["spec_draft_tokens"] += min(self.k, self.max_model_len - 1 - start)  # the drafts its cache can verify
             c["spec_accepted_tokens"] += count - 1
             new, lps, text = [], [], ""
             for j in range(count):

@@ -144,10 +144,16 @@ class Request:
     cross: dict | None = None
     digests: list = field(default_factory=list)  # chain digest of each full block of tokens (kept across admissions)
     draft: int = 0  # speculative decoding: tokens drafted per decode step (0: plain decoding)
+    draws: int = 0  # random keys used so far (a sample 1, a verify step k + 1): the next key's index for its seed
     tokens: list[int] = field(init=False)
 
     def __post_init__(self):
         self.tokens = self.prompt + self.output
+
+    def verifies(self, start: int, n: int) -> bool:
+        """Whether the piece of n tokens at `start` is a speculative decode step: the request drafts and the piece
+        is its last known token, a generated one (a prompt's tokens run as chunks, which the drafter follows)."""
+        return bool(self.draft) and n == 1 and len(self.prompt) <= start == len(self.tokens) + self.pending - 1
 
     def append(self, token: int) -> None:
         self.output.append(token)

@@ -281,6 +281,33 @@ def step(params, cache, draft, counts, last, ints, floats, tables, tokens, image
     return cache, draft, counts, last, ((tok, chosen, top_ids, top_lp) if logprobs else (tok,))
 
 
+def draw_draft(i: int, logits, s, keys, *, sampled: bool, filtered: bool):
+    """Draft i of each row from its logits [P, V]: the argmax for greedy rows, else drawn from the row's own
+    sampling distribution (`_distribution`) with key i of the row's step (`keys` [P]: the step's key per row)."""
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampled:
+        return best
+    sub = jax.vmap(jax.random.fold_in, (0, None))(keys, i)
+    drawn = jax.vmap(jax.random.categorical)(sub, _distribution(logits, s, filtered)).astype(jnp.int32)
+    return jnp.where(s["temperature"] > 0, drawn, best)
+
+
+def accept_rows(target, drafts, draft_logits, s, keys, *, sampled: bool, filtered: bool):
+    """The acceptance rule per row: target logits [P, k+1, V], drafts [P, k] drawn by `draw_draft` from
+    draft_logits [P, k, V] -> (tokens [P, k+1], count [P]). Greedy rows keep drafts while they are the target's
+    argmax; sampled rows take the rejection rule on their own distributions with key k of their step (keys [P])."""
+    emitted, count = S.accept_greedy(target, drafts)
+    if not sampled:
+        return emitted, count
+    k = drafts.shape[1]
+    p = jax.nn.softmax(_distribution(target, s, filtered), axis=-1)
+    q = jax.nn.softmax(_distribution(draft_logits, s, filtered), axis=-1)
+    one = lambda p, d, q, key: S.rejection(p[None], d[None], q[None], key)  # noqa: E731
+    drawn, n = jax.vmap(one)(p, drafts, q, jax.vmap(jax.random.fold_in, (0, None))(keys, k))
+    hot = s["temperature"] > 0
+    return jnp.where(hot[:, None], drawn[:, 0], emitted), jnp.where(hot, n[:, 0], count)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "sampled", "filtered", "top_n", "logprobs", "splits",
                                              "shard"),
                    donate_argnames=("cache", "draft", "last"), compiler_options=M.COMPILER_OPTIONS)
@@ -302,26 +329,11 @@ def verify_step(params, cache, draft, last, ints, floats, tables, tokens, *, cfg
     sub = _rows(cache, rows, tuple(tables[:, a:b] for a, b in zip(splits[:-1], splits[1:])))
     dcache, dstate = _draft_rows(draft, rows)
     tok = jnp.where(ints[I_FEED] > 0, last[rows], tokens[:, 0])
-    hot, keys = s["temperature"] > 0, _keys(s)
-    subkeys = lambda i: jax.vmap(jax.random.fold_in, (0, None))(keys, i)  # noqa: E731  draft i; k: acceptance
-
-    def pick(i, row):
-        best = jnp.argmax(row, axis=-1).astype(jnp.int32)
-        if not sampled:
-            return best
-        drawn = jax.vmap(jax.random.categorical)(subkeys(i), _distribution(row, s, filtered)).astype(jnp.int32)
-        return jnp.where(hot, drawn, best)
-
+    keys, flags = _keys(s), dict(sampled=sampled, filtered=filtered)
+    pick = lambda i, row: draw_draft(i, row, s, keys, **flags)  # noqa: E731
     drafts, dlogits, dcache = S.propose(params, cfg, dcache, dstate, tok, pos, k, pick)
     logits, sub, aux = S.verify(params, cfg, jnp.concatenate([tok[:, None], drafts], axis=1), pos, sub, width, shard)
-    emitted, count = S.accept_greedy(logits, drafts)
-    if sampled:
-        p = jax.nn.softmax(_distribution(logits, s, filtered), axis=-1)
-        q = jax.nn.softmax(_distribution(dlogits, s, filtered), axis=-1)
-        one = lambda p, d, q, key: S.rejection(p[None], d[None], q[None], key)  # noqa: E731  each row its own key
-        drawn, n = jax.vmap(one)(p, drafts, q, subkeys(k))
-        emitted = jnp.where(hot[:, None], drawn[:, 0], emitted)
-        count = jnp.where(hot, n[:, 0], count)
+    emitted, count = accept_rows(logits, drafts, dlogits, s, keys, **flags)
     count = jnp.minimum(count, width)
     draft = _draft_merge(draft, S.observe(params, cfg, dcache, aux, emitted, pos, count), rows)
     cache = _pools_placed(_merge(cache, sub, rows, CROSS), shard)
@@ -469,7 +481,6 @@ class Runner:
         self.row_floats = np.zeros((self.rows, 5), np.float32)
         self.row_ints[:, 2] = -1
         self.row_floats[:, F_TOP_P] = 1
-        self.sampled = np.zeros(self.rows, np.int32)  # tokens sampled per row so far (the seeded sample's index)
         self.shapes: set = set()
         self.copy_sizes: set = set()  # copy_blocks sizes compiled
         self.dispatch_s = 0.0  # seconds in the jitted step's call (dispatch; on a CPU maybe part of the work)
@@ -488,7 +499,6 @@ class Runner:
         self.row_ints[row] = (min(max(p.top_k, 0), self.cfg.logits_size), seed,
                               -1 if p.logprobs is None else p.logprobs)
         self.row_floats[row] = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty)
-        self.sampled[row] = req.generated
         if p.penalized:  # the row's counts: this request's generated tokens so far
             self.reset_counts(row, req.output)
         if self.cross and req.cross is None:  # an earlier request's image K/V must not reach this one
@@ -534,8 +544,11 @@ class Runner:
         starts = [a for _, a, _ in pieces]
         known = [len(r.tokens) for r in reqs]
         emit = [a + k == kn + r.pending for (r, a, k), kn in zip(pieces, known)]
+        ints[I_INDEX, :n] = [r.draws for r in reqs]  # each draw's key: the request's seed and draws so far
+        draws = self.k + 1 if how == "verify" else 1  # a verify step draws k drafts and its accepted run
         for r, e in zip(reqs, emit):
             r.pending += e
+            r.draws += draws * e
         rows[:n] = [r.row for r in reqs]
         rows[n:] = self.rows - 1
         ints[I_START, :n] = starts
@@ -555,9 +568,6 @@ class Runner:
                 ints[I_NEXT, i] = r.tokens[a + k] if a + k < known[i] else 0
         params = self.row_ints[rows]
         ints[I_TOP_K], ints[I_SEED] = params[:, 0], params[:, 1]
-        ints[I_INDEX] = self.sampled[rows]
-        # a verify step draws k drafts and the accepted run's samples from k + 1 keys of this index
-        self.sampled[rows[:n][np.asarray(emit, bool)]] += self.k + 1 if how == "verify" else 1
         floats = np.ascontiguousarray(self.row_floats[rows].T)
         hot = floats[F_TEMP] > 0
         sampled = bool(hot.any())

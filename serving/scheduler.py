@@ -71,9 +71,7 @@ class Scheduler:
     def _cost(self, req: Request, n: int) -> int:
         """Positions (and budget tokens) a piece of n tokens takes: a speculating decode step writes its drafts
         too (the last known token and k drafts)."""
-        if req.draft and n == 1 and req.computed + 1 == len(req.tokens) + req.pending:
-            return 1 + min(req.draft, self.lookahead)
-        return n
+        return 1 + min(req.draft, self.lookahead) if req.verifies(req.computed, n) else n
 
     def _allocate(self, req: Request, cost: int) -> None:
         self.pool.allocate(req.blocks, req.computed, min(req.computed + cost, self.max_model_len))
