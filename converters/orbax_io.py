@@ -182,11 +182,11 @@ def _write_all(root: Path, items, journal, records: list) -> None:
     is written before the next is produced (peak: about three tensors + IN_FLIGHT)."""
     stop = threading.Event()  # set by an error or an interruption: the writes queued behind it are not made
 
-    def write(key, parts):
+    def write(key, parts, crcs):
         if stop.is_set():
             return
         try:
-            written = [_put(root, part) for part in parts]
+            written = [_put(root, part, crc) for part, crc in zip(parts, crcs)]
         except BaseException:
             stop.set()
             raise
@@ -200,7 +200,8 @@ def _write_all(root: Path, items, journal, records: list) -> None:
             for item in items:
                 size = sum(p.value.nbytes for p in item[1])
                 largest = max(largest, size)
-                queue.append((writer.submit(write, *item), size))
+                crcs = [_crc_pool().submit(zlib.crc32, _bytes(p.value)) for p in item[1]]  # ahead of the write
+                queue.append((writer.submit(write, *item, crcs), size))
                 del item
                 while queue and sum(n for _, n in queue) > min(largest, IN_FLIGHT):
                     queue.popleft()[0].result()
@@ -211,10 +212,16 @@ def _write_all(root: Path, items, journal, records: list) -> None:
             raise
 
 
-def _put(root: Path, part: Part) -> list:
+def _bytes(value: np.ndarray) -> np.ndarray:
+    """A value's bytes in C order, as uint8 (ascontiguousarray would make a 0-d value 1-d)."""
+    return np.require(value, requirements="C").reshape(-1).view(np.uint8)
+
+
+def _put(root: Path, part: Part, crc=None) -> list:
     """Write one slice into its leaf file (created at its full size on first use); its journal record
-    [leaf, leaf shape, dtype, offset, bytes, crc32]."""
-    v = np.require(part.value, requirements="C")  # (ascontiguousarray would make a 0-d value 1-d)
+    [leaf, leaf shape, dtype, offset, bytes, crc32]. crc: a future of the slice's CRC32, queued ahead (else taken
+    here, beside the write)."""
+    v = np.require(part.value, requirements="C")
     if v.dtype not in ST_NAMES:
         raise CheckpointError(f"{part.leaf}: cannot store values of dtype {v.dtype}")
     shape = tuple(part.lead) + v.shape
@@ -222,8 +229,8 @@ def _put(root: Path, part: Part) -> list:
     offset = len(head) + (int(np.ravel_multi_index(part.index, part.lead)) * v.nbytes if part.index else 0)
     file = root / (part.leaf + LEAF_SUFFIX)
     file.parent.mkdir(parents=True, exist_ok=True)
-    data = v.reshape(-1).view(np.uint8)
-    crc = _crc_pool().submit(zlib.crc32, data)  # beside the write: the CPU's time overlaps the disk's
+    data = _bytes(v)
+    crc = crc or _crc_pool().submit(zlib.crc32, data)  # beside the write: the CPU's time overlaps the disk's
     fd = os.open(file, os.O_WRONLY | os.O_CREAT, 0o666)
     try:
         size = len(head) + math.prod(shape) * v.dtype.itemsize
