@@ -81,7 +81,7 @@ class BufferPool:
     """Page-aligned buffers for large short-lived arrays (a tensor read, its transpose), each taken back once the
     last array over it is gone (a finalizer on the buffer's owner, which every view keeps alive) and handed out
     again. Fresh memory is costly: the kernel zeroes every page on first touch, and on a VM whose host takes freed
-    pages back (free page reporting) that first touch runs at 0.5-0.8 GB/s against 10+ GB/s for reused pages.
+    pages back (free page reporting) that first touch runs at 0.3-0.8 GB/s against 10+ GB/s for reused pages.
     Free buffers beyond `keep` bytes are dropped (unmapped), the smallest first."""
 
     CHUNK = 2 << 20  # sizes rounded up to a huge page (fewer distinct buffers, transparent huge pages)
