@@ -269,19 +269,30 @@ def test_sampled_speculative_generate_has_the_target_distribution():
                           seed=seed, num_speculative_tokens=2)
         rows += out.tokens
     assert 0 < out.acceptance_rate < 1
-    probs = {}
-    for depth in range(3):  # exact: p(t1) p(t2 | t1) p(t3 | t1, t2) over the top-3 of each
-        prefixes = [()] if depth == 0 else [c for c in probs if len(c) == depth]
+    assert continuations_fit(rows, exact_continuations(params, cfg, prompt, s, 3))
+
+
+def exact_continuations(params, cfg, prompt, s: Sampling, depth: int) -> dict:
+    """{continuation (t1, ..): its probability under the target} for every continuation of 1 to `depth` tokens
+    that `s` can sample after `prompt`: p(t1) p(t2 | t1) ... from full forwards of every prefix."""
+    probs = {(): 1.0}
+    for d in range(depth):
+        prefixes = [c for c in probs if len(c) == d]
         logits = _forward(params, cfg, jnp.asarray([prompt + list(c) for c in prefixes], jnp.int32))[:, -1]
-        p = np.asarray(S.probabilities(logits, s))
-        for c, row in zip(prefixes, p):
+        for c, row in zip(prefixes, np.asarray(S.probabilities(logits, s))):
             for t in np.nonzero(row)[0]:
-                probs[c + (int(t),)] = probs.get(c, 1.0) * row[t]
-    cells = sorted(c for c in probs if len(c) == 3)
+                probs[c + (int(t),)] = probs[c] * row[t]
+    return probs
+
+
+def continuations_fit(rows, probs) -> bool:
+    """Sampled continuations (all of one length) are in the target's support and their frequencies pass the
+    chi-square test at ALPHA against the exact probabilities."""
+    cells = sorted(c for c in probs if len(c) == len(rows[0]))
     index = {c: i for i, c in enumerate(cells)}
-    assert all(tuple(r) in index for r in rows)  # nothing outside the target's support
+    assert all(tuple(r) in index for r in rows), "a continuation outside the target's support"
     counts = np.bincount([index[tuple(r)] for r in rows], minlength=len(cells))
-    assert _chi2_pvalue(counts, np.array([probs[c] for c in cells])) > ALPHA
+    return _chi2_pvalue(counts, np.array([probs[c] for c in cells])) > ALPHA
 
 
 def _broken_rules():

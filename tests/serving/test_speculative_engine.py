@@ -16,7 +16,8 @@ from jaxmodels import model as M, speculative as S
 from jaxmodels.sampling import Sampling
 from serving import Engine, EngineConfig, SamplingParams, runner as R
 from serving.metrics import Metrics
-from tests.test_speculative import ALPHA, _chi2_pvalue, v4_config, v41_config
+from tests.test_speculative import (ALPHA, _chi2_pvalue, continuations_fit, exact_continuations, v4_config,
+                                    v41_config)
 
 NEW = 12
 CONFIGS = {"v4": v4_config, "v41": v41_config}
@@ -220,8 +221,8 @@ def test_the_per_row_rule_preserves_each_rows_distribution():
         drafts = jnp.stack(drafts, axis=1)
         ctx = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), drafts], axis=1)
         tokens, count = R.accept_rows(logp[ctx], drafts, logq[ctx[:, :-1]], s, keys, **flags)
-        more = R.draw_draft(0, logp[tokens[:, 0]], s | {"index": s["index"] + 1}, R._keys(s | {"index": s["index"] + 1}),
-                            **flags)
+        after = s | {"index": s["index"] + 1}  # the next draw of each row: a plain sample from the target
+        more = R.draw_draft(0, logp[tokens[:, 0]], after, R._keys(after), **flags)
         return tokens, count, jnp.where(count > 1, tokens[:, 1], more)
 
     tokens, count, second = (np.asarray(a) for a in run(s))
@@ -232,20 +233,6 @@ def test_the_per_row_rule_preserves_each_rows_distribution():
     exact = (p[0][:, None] * p).reshape(-1)
     counts = np.bincount(tokens[~greedy, 0] * V + second[~greedy], minlength=V * V)
     assert _chi2_pvalue(counts, exact) > ALPHA
-
-
-def _exact_continuations(model, prompt, dist: Sampling, depth: int) -> dict:
-    """{continuation (t1, ..): its probability under the target} for every continuation of up to `depth` tokens
-    that `dist` can sample (full forwards of every prefix)."""
-    forward = jax.jit(M.forward, static_argnums=1)
-    probs = {(): 1.0}
-    for d in range(depth):
-        prefixes = [c for c in probs if len(c) == d]
-        logits = forward(model.params, model.config, jnp.asarray([prompt + list(c) for c in prefixes]))
-        for c, row in zip(prefixes, np.asarray(S.probabilities(logits[:, -1], dist))):
-            for t in np.nonzero(row)[0]:
-                probs[c + (int(t),)] = probs[c] * row[t]
-    return probs
 
 
 def _mixture_drafter(monkeypatch, probs, vocab, temperature):
@@ -286,7 +273,7 @@ def test_sampled_speculating_engine_has_the_target_distribution(monkeypatch):
     distribution (full forwards), chi-square at ALPHA. The rows of a step have one shape (8 rows): one compile."""
     model = _model("v4", std=0.3, seed=2)
     cfg, prompt, T = model.config, [7], 1.5
-    probs = _exact_continuations(model, prompt, Sampling(temperature=T, top_k=3), 3)
+    probs = exact_continuations(model.params, cfg, prompt, Sampling(temperature=T, top_k=3), 3)
     hot = [SamplingParams(temperature=T, top_k=3, seed=i, max_tokens=3, ignore_eos=True) for i in range(1024)]
     _mixture_drafter(monkeypatch, probs, cfg.vocab_size, T)
     try:
@@ -297,11 +284,7 @@ def test_sampled_speculating_engine_has_the_target_distribution(monkeypatch):
         R.verify_step.clear_cache()
     s = engine.stats()
     assert 0.5 < s["spec_accepted_tokens"] / s["spec_draft_tokens"] < 0.95
-    cells = sorted(c for c in probs if len(c) == 3)
-    index = {c: i for i, c in enumerate(cells)}
-    assert all(tuple(r) in index for r in got)  # nothing outside the target's support
-    counts = np.bincount([index[tuple(r)] for r in got], minlength=len(cells))
-    assert _chi2_pvalue(counts, np.array([probs[c] for c in cells])) > ALPHA
+    assert continuations_fit(got, probs)
 
 
 def test_seeds_logprobs_and_penalties_in_a_speculating_engine():
