@@ -38,6 +38,7 @@ class QuantReader:
 
     def __init__(self, reader, keep_quantized: bool = False, files: dq.SafetensorsFiles | None = None):
         self.reader, self.keep, self.files = reader, keep_quantized, files
+        self.decodes = not keep_quantized  # what get() holds: float32, not the stored bytes (hf.read_bytes)
         canon = {canonical(k): k for k in reader.keys()}
         self._scale = {k: canon[c[: -len(".weight")] + ".scale"] for c, k in canon.items()
                        if c.endswith(".weight") and c[: -len(".weight")] + ".scale" in canon}

@@ -240,6 +240,8 @@ class GGUFReader:
     A stacked expert tensor (`blk.N.ffn_gate_exps.weight`, [experts, out, in]) is listed once per expert under the
     HF per-expert name, and read one expert's rows at a time (quantized blocks never straddle two experts)."""
 
+    decodes = True  # get() holds float32 (dequantised), not the stored blocks (hf.read_bytes)
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.reader = GGUFFile(self.path)

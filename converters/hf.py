@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import math
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -222,6 +223,11 @@ def source_bytes(reader, name: str) -> int:
     return reader.nbytes(name) if hasattr(reader, "nbytes") else 0
 
 
+def read_bytes(reader, name: str) -> int:
+    """Bytes `reader.get(name)` holds in memory: as stored, or float32 where the reader decodes (dequantises)."""
+    return math.prod(reader.shape(name)) * 4 if getattr(reader, "decodes", False) else source_bytes(reader, name)
+
+
 def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: tuple[str, ...] = (), *,
            done=frozenset(), bar=None, into: Leaves | None = None, **plan_kw):
     """Every checkpoint tensor read once (in turn; read ahead in a thread, up to READ_AHEAD bytes and no more than
@@ -238,9 +244,10 @@ def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: 
         bar.total = (bar.total or 0) + sum(source_bytes(reader, n) for n in dict.fromkeys(pm.name for pm in todo))
         bar.refresh()
     runs = [(name, list(pms)) for name, pms in itertools.groupby(todo, lambda pm: pm.name)]  # a tensor may feed
-    sizes = [source_bytes(reader, name) for name, _ in runs]  # several in a row
-    budget = min(READ_AHEAD, max(sizes, default=0))
-    for value, (name, pms) in zip(prefetched(reader.get, [name for name, _ in runs], sizes, budget), runs):
+    sizes = [read_bytes(reader, name) for name, _ in runs]  # several in a row
+    values = prefetched(reader.get, [name for name, _ in runs], sizes, min(READ_AHEAD, max(sizes, default=0)))
+    for name, pms in runs:
+        value = next(values)
         if bar is not None:
             bar.update(source_bytes(reader, name))
         for pm in pms:
@@ -248,29 +255,30 @@ def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: 
             slot = None if into is None else functools.partial(into.slot, pm.path, lead, pm.index, pm.want, dt)
             yield (pm.path, pm.index), [Part(pm.path + suffix, lead, pm.index, v)
                                         for suffix, v in _convert(pm, value, dt, slot)]
-        del value  # freed before waiting for the next
+        del value  # freed before the next is waited for (and read ahead past it)
 
 
 READ_AHEAD = 256 << 20  # bytes of source tensors read ahead at most (and at most the largest one's: see stream)
 
 
 def prefetched(get, names: list, sizes: list[int] | None = None, budget: int = 0):
-    """get(name) for each name in turn, read ahead in a thread while the caller works: the next one always, more
-    while those read ahead come to at most `budget` bytes (sizes: each name's). The reads (O_DIRECT: the disk's
-    time, not the CPU's) overlap the transforms, and the disk stays busy through a slow one."""
+    """get(name) for each name in turn, read in a thread, and read ahead while the caller works on one as long as
+    those read ahead come to at most `budget` bytes (sizes: what each holds; unknown sizes are not read ahead).
+    The reads (O_DIRECT: the disk's time, not the CPU's) overlap the transforms, and the disk stays busy through a
+    slow one; what is held beyond the caller's tensor stays within the budget."""
     sizes = sizes or [0] * len(names)
     with ThreadPoolExecutor(1, thread_name_prefix="read") as pool:
-        ahead, queued = collections.deque(), 0  # futures of names[k + 1:queued]
+        ahead, queued = collections.deque(), 0  # futures of names[k:queued] while the caller waits for name k
 
-        def read_ahead(k):
+        def read_ahead(k):  # names[k], then those after it that fit the budget
             nonlocal queued
-            while queued < len(names) and (queued <= k + 1 or 0 < sum(sizes[k + 1:queued + 1]) <= budget):
+            while queued < len(names) and (queued <= k or 0 < sum(sizes[k + 1:queued + 1]) <= budget):
                 ahead.append(pool.submit(get, names[queued]))
                 queued += 1
 
         try:
             for k in range(len(names)):
-                read_ahead(k - 1)
+                read_ahead(k)
                 value = ahead.popleft().result()
                 read_ahead(k)
                 yield value
@@ -320,14 +328,15 @@ def assemble(items, leaves: Leaves | None = None) -> dict:
     threads)."""
     out = Leaves() if leaves is None else leaves
     for _, parts in items:
-        for p in parts:
+        while parts:  # popped: no name keeps a value (and the buffer it was read into) past its placement
+            p = parts.pop()
             if p.index:
                 slot = out.slot(p.leaf, p.lead, p.index, p.value.shape, p.value.dtype)
                 if slot.ctypes.data != p.value.ctypes.data:
                     slot[...] = p.value
             else:
                 out[p.leaf] = p.value if p.value.ctypes.data % 64 == 0 else _aligned_copy(p.value)
-        del parts
+            del p
     return unflatten(dict(out))
 
 

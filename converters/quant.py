@@ -24,6 +24,8 @@ class MXFP4Reader:
     (`convert_moe_packed_tensors`), which is what this yields.
     """
 
+    decodes = True  # get() holds float32, not the stored bytes (hf.read_bytes)
+
     def __init__(self, reader):
         self.reader = reader
         keys = set(reader.keys())

@@ -8,6 +8,7 @@ sequential read per file into a page-aligned buffer that jax adopts without a co
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -82,19 +83,22 @@ class BufferPool:
     last array over it is gone (a finalizer on the buffer's owner, which every view keeps alive) and handed out
     again. Fresh memory is costly: the kernel zeroes every page on first touch, and on a VM whose host takes freed
     pages back (free page reporting) that first touch runs at 0.3-0.8 GB/s against 10+ GB/s for reused pages.
-    Free buffers beyond `keep` bytes are dropped (unmapped), the smallest first."""
+    Free buffers beyond `keep` bytes are dropped (unmapped), the smallest first. A buffer is handed out only for
+    at least half its size: a small array that outlives the pool (a parameter) never pins a large buffer."""
 
     CHUNK = 2 << 20  # sizes rounded up to a huge page (fewer distinct buffers, transparent huge pages)
 
     def __init__(self, keep: int):
         self._free: list[mmap.mmap] = []
+        self._returned: collections.deque = collections.deque()  # given back, not yet sorted into _free
         self._keep, self._lock, self.closed = keep, threading.Lock(), False
 
     def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
         n = math.prod(shape) * dtype.itemsize
         with self._lock:
-            fits = [m for m in self._free if len(m) >= n]
+            self._sort_returned()
+            fits = [m for m in self._free if n <= len(m) <= 2 * max(n, self.CHUNK)]
             if buf := min(fits, key=len, default=None):
                 self._free.remove(buf)
         if buf is None:
@@ -106,20 +110,24 @@ class BufferPool:
         return np.frombuffer(owner, np.uint8, n).view(dtype).reshape(shape)
 
     def _give_back(self, buf: mmap.mmap) -> None:
-        # buffers are dropped, not closed: the owner's export ends only after this callback; the map goes with
-        # its last reference
-        with self._lock:
-            if self.closed:
-                return
-            self._free.append(buf)
-            self._free.sort(key=len)
-            while sum(map(len, self._free)) > self._keep:
-                self._free.pop(0)
+        # No lock: a finalizer may run inside `empty` (a garbage collection there). Buffers are dropped, not
+        # closed: the owner's export ends only after this callback; the map goes with its last reference.
+        if not self.closed:
+            self._returned.append(buf)
+
+    def _sort_returned(self) -> None:
+        """(Under the lock.) The buffers given back join the free ones, beyond `keep` bytes the smallest dropped."""
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        self._free.sort(key=len)
+        while sum(map(len, self._free)) > self._keep:
+            self._free.pop(0)
 
     def close(self) -> None:
         with self._lock:
             self.closed = True
             self._free.clear()
+            self._returned.clear()
 
 
 POOL_MIN = 1 << 20  # smaller scratch arrays come from malloc (which reuses small blocks well)
@@ -131,12 +139,14 @@ def recycling(keep: int):
     """Within it, `scratch` arrays come from a BufferPool (keeping at most `keep` bytes of free buffers, released at
     the end): conversion and import allocate a tensor or two per tensor of the checkpoint."""
     global _pool
-    outer, _pool = _pool, BufferPool(keep)
+    pool = BufferPool(keep)
+    outer, _pool = _pool, pool
     try:
-        yield _pool
+        yield pool
     finally:
-        _pool.close()
-        _pool = outer
+        pool.close()
+        if _pool is pool:  # (another thread's recycling may have begun meanwhile: its pool stays)
+            _pool = outer
 
 
 def scratch(shape: tuple[int, ...], dtype) -> np.ndarray:
