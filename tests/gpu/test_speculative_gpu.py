@@ -18,6 +18,25 @@ import pytest
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU and JAX_PLATFORMS=cuda")
 
 
+@pytest.mark.parametrize("n", [6, 24, 48])
+@pytest.mark.parametrize("N,K", [(2304, 5120), (5120, 2304)], ids=["gate-up", "down"])
+def test_gathered_fp4_kernel_over_two_flash_layers(n, N, K):
+    """The kernel the verify step reaches first, alone: FP4 experts of two V4.1-Flash layers ([2 x 384, N, K/2]
+    bytes, past 2^31 of them), n routed rows whose ids cover both layers, against the XLA gather + dequant."""
+    from jaxmodels.layers import gathered
+
+    G = 2 * 384
+    kx, kw, ks, ki = jax.random.split(jax.random.key(n), 4)
+    w = {"fp4": jax.random.randint(kw, (G, N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8),
+         "scale": jax.random.randint(ks, (G, N, K // 32), 120, 131, jnp.int32).astype(jnp.uint8)}
+    x = jax.random.normal(kx, (n, K), jnp.bfloat16)
+    ids = jax.random.randint(ki, (n,), 0, G).at[-1].set(G - 1)
+    assert gathered.fits(x, w)
+    got = np.asarray(jax.jit(gathered.matmul)(x, w, ids).astype(jnp.float32))
+    want = np.asarray(jax.jit(gathered.reference)(x, w, ids).astype(jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
 @pytest.fixture(scope="module")
 def flash():
     """Layers 20 and 24 of V4.1-Flash at real widths (FP4 experts kept quantized) and its three DSpark blocks."""
