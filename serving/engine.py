@@ -286,12 +286,12 @@ class Engine:
                     if (low := self.runner.lower(how, P, T, s)) is not None:
                         jobs[pool.submit(low[1].compile)] = low[0]
             for n in self.copy_sizes():
-                if n not in self.runner.copy_sizes:
+                if n not in self.runner.copies_compiled:
                     jobs[pool.submit(self.runner.lower_copy(n).compile)] = n
             for done, job in enumerate(as_completed(jobs), 1):
                 job.result()
                 key = jobs[job]
-                (self.runner.shapes if isinstance(key, tuple) else self.runner.copy_sizes).add(key)
+                (self.runner.shapes if isinstance(key, tuple) else self.runner.copies_compiled).add(key)
                 if progress:
                     progress(done, len(jobs))
         except BaseException:  # a failed compile or Ctrl-C: do not wait for the queued ones

@@ -482,7 +482,7 @@ class Runner:
         self.row_ints[:, 2] = -1
         self.row_floats[:, F_TOP_P] = 1
         self.shapes: set = set()
-        self.copy_sizes: set = set()  # copy_blocks sizes compiled
+        self.copies_compiled: set = set()  # copy_blocks sizes compiled
         self.dispatch_s = 0.0  # seconds in the jitted step's call (dispatch; on a CPU maybe part of the work)
         self.compile_s = 0.0  # of which the first calls of each shape (trace and compile)
         self.extend_ok = extends(model, abstract)
@@ -509,8 +509,8 @@ class Runner:
         if not copies:
             return
         n = bucket(len(copies))
-        if n not in self.copy_sizes:
-            self.copy_sizes.add(n)
+        if n not in self.copies_compiled:
+            self.copies_compiled.add(n)
             log.info("compiling copy_blocks: %d blocks", n)
         src, dst = [], []
         for s in self.buffer_space:
@@ -520,10 +520,14 @@ class Runner:
         with sharding.entered(self.shard):
             self.cache = copy_blocks(self.cache, tuple(src), tuple(dst), shard=self.shard)
 
-    def reset_counts(self, row: int, tokens: list[int]) -> None:
-        """A request with penalties took `row`: its counts are its generated tokens so far."""
+    def _ensure_counts(self) -> None:
+        """The [rows, vocab] penalty counts, allocated when a request first uses penalties."""
         if self.counts is None:
             self.counts = self._zeros((self.rows, self.cfg.logits_size))
+
+    def reset_counts(self, row: int, tokens: list[int]) -> None:
+        """A request with penalties took `row`: its counts are its generated tokens so far."""
+        self._ensure_counts()
         c = np.bincount(np.asarray(tokens, np.int64), minlength=self.cfg.logits_size).astype(np.int32)
         with sharding.entered(self.shard):
             self.counts = self.counts.at[row].set(c)
@@ -576,8 +580,8 @@ class Runner:
         want = int(params[:, 2].max())
         top_n = 0 if want <= 0 else MAX_LOGPROBS if want > 5 else 5
         images = None if decode else self._images(pieces, P, T)
-        if penalized and self.counts is None:
-            self.counts = self._zeros((self.rows, self.cfg.logits_size))
+        if penalized:
+            self._ensure_counts()
         key = self._key(how, P, T, sampled, filtered, penalized, top_n, want >= 0, images)
         new = key not in self.shapes
         if new:
