@@ -38,7 +38,6 @@ class QuantReader:
 
     def __init__(self, reader, keep_quantized: bool = False, files: dq.SafetensorsFiles | None = None):
         self.reader, self.keep, self.files = reader, keep_quantized, files
-        self.decodes = not keep_quantized  # what get() holds: float32, not the stored bytes (hf.read_bytes)
         canon = {canonical(k): k for k in reader.keys()}
         self._scale = {k: canon[c[: -len(".weight")] + ".scale"] for c, k in canon.items()
                        if c.endswith(".weight") and c[: -len(".weight")] + ".scale" in canon}
@@ -122,6 +121,12 @@ class QuantReader:
             return out[r0 - ra:r1 - ra, c0 - ca:c1 - ca]
         except TypeError as e:  # a weight or scale of a dtype that is not FP8 / FP4 / E8M0 bytes
             raise CheckpointError(str(e)) from None
+
+    def held_bytes(self, name):
+        """What get(name) holds (hf.read_bytes): stored bytes, or the decoded tensor (wo_a bf16, else float32)."""
+        if name not in self._scale or self.keep and not canonical(name).endswith(".wo_a.weight"):
+            return self.nbytes(name)
+        return math.prod(self.shape(name)) * (2 if canonical(name).endswith(".wo_a.weight") else 4)
 
     def nbytes(self, name):
         return source_bytes(self.reader, name) + (source_bytes(self.reader, self._scale[name]) if name in self._scale

@@ -29,6 +29,7 @@ takes token ids).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import re
 import struct
@@ -240,8 +241,6 @@ class GGUFReader:
     A stacked expert tensor (`blk.N.ffn_gate_exps.weight`, [experts, out, in]) is listed once per expert under the
     HF per-expert name, and read one expert's rows at a time (quantized blocks never straddle two experts)."""
 
-    decodes = True  # get() holds float32 (dequantised), not the stored blocks (hf.read_bytes)
-
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.reader = GGUFFile(self.path)
@@ -440,6 +439,10 @@ class GGUFReader:
         t, e = self._tensors[name]
         dims = tuple(reversed(t.dims))  # GGUF lists dims innermost first
         return dims if e is None else dims[1:]
+
+    def held_bytes(self, name: str) -> int:
+        """What get(name) holds (hf.read_bytes): at most float32 (the gguf library dequantises to it)."""
+        return math.prod(self.shape(name)) * 4
 
     def nbytes(self, name: str) -> int:
         t, e = self._tensors[name]

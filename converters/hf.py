@@ -4,9 +4,9 @@ MTP blocks."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
-import math
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -224,8 +224,8 @@ def source_bytes(reader, name: str) -> int:
 
 
 def read_bytes(reader, name: str) -> int:
-    """Bytes `reader.get(name)` holds in memory: as stored, or float32 where the reader decodes (dequantises)."""
-    return math.prod(reader.shape(name)) * 4 if getattr(reader, "decodes", False) else source_bytes(reader, name)
+    """Bytes `reader.get(name)` holds in memory: what a decoding (dequantising) reader says, else as stored."""
+    return reader.held_bytes(name) if hasattr(reader, "held_bytes") else source_bytes(reader, name)
 
 
 def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: tuple[str, ...] = (), *,
@@ -245,17 +245,19 @@ def stream(reader, cfg: ModelConfig, names: dict, dtype: str = "float32", skip: 
         bar.refresh()
     runs = [(name, list(pms)) for name, pms in itertools.groupby(todo, lambda pm: pm.name)]  # a tensor may feed
     sizes = [read_bytes(reader, name) for name, _ in runs]  # several in a row
-    values = prefetched(reader.get, [name for name, _ in runs], sizes, min(READ_AHEAD, max(sizes, default=0)))
-    for name, pms in runs:
-        value = next(values)
-        if bar is not None:
-            bar.update(source_bytes(reader, name))
-        for pm in pms:
-            lead, dt = specs[pm.path].shape[:len(pm.index)], np.dtype(specs[pm.path].dtype or target)
-            slot = None if into is None else functools.partial(into.slot, pm.path, lead, pm.index, pm.want, dt)
-            yield (pm.path, pm.index), [Part(pm.path + suffix, lead, pm.index, v)
-                                        for suffix, v in _convert(pm, value, dt, slot)]
-        del value  # freed before the next is waited for (and read ahead past it)
+    budget = min(READ_AHEAD, max(sizes, default=0))
+    # closed on any exit (an error here or in the caller): the read thread and what it read ahead go with it
+    with contextlib.closing(prefetched(reader.get, [name for name, _ in runs], sizes, budget)) as values:
+        for name, pms in runs:
+            value = next(values)
+            if bar is not None:
+                bar.update(source_bytes(reader, name))
+            for pm in pms:
+                lead, dt = specs[pm.path].shape[:len(pm.index)], np.dtype(specs[pm.path].dtype or target)
+                slot = None if into is None else functools.partial(into.slot, pm.path, lead, pm.index, pm.want, dt)
+                yield (pm.path, pm.index), [Part(pm.path + suffix, lead, pm.index, v)
+                                            for suffix, v in _convert(pm, value, dt, slot)]
+            del value  # freed before the next is waited for (and read ahead past it)
 
 
 READ_AHEAD = 256 << 20  # bytes of source tensors read ahead at most (and at most the largest one's: see stream)
@@ -272,7 +274,7 @@ def prefetched(get, names: list, sizes: list[int] | None = None, budget: int = 0
 
         def read_ahead(k):  # names[k], then those after it that fit the budget
             nonlocal queued
-            while queued < len(names) and (queued <= k or 0 < sum(sizes[k + 1:queued + 1]) <= budget):
+            while queued < len(names) and (queued <= k or sizes[queued] > 0 and sum(sizes[k + 1:queued + 1]) <= budget):
                 ahead.append(pool.submit(get, names[queued]))
                 queued += 1
 

@@ -1,6 +1,8 @@
 """Block-scaled quantized weights -> float arrays (NumPy + ml_dtypes), exactly as the references decode them."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from jaxmodels.layers import qdq
@@ -23,8 +25,6 @@ class MXFP4Reader:
     GPT-OSS experts are stored [E, out, in/32, 16]; HF's parameter is the transpose, [E, in, out]
     (`convert_moe_packed_tensors`), which is what this yields.
     """
-
-    decodes = True  # get() holds float32, not the stored bytes (hf.read_bytes)
 
     def __init__(self, reader):
         self.reader = reader
@@ -49,6 +49,12 @@ class MXFP4Reader:
             *lead, out, g, _ = self.reader.shape(self._pairs[name][0])
             return (*lead, g * 32, out)
         return self.reader.shape(name)
+
+    def held_bytes(self, name):
+        """What get(name) holds (hf.read_bytes): a decoded pair in float32, anything else as stored."""
+        if name in self._pairs:
+            return math.prod(self.shape(name)) * 4
+        return self.nbytes(name)
 
     def nbytes(self, name):
         if name in self._pairs:

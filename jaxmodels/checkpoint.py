@@ -110,10 +110,19 @@ class BufferPool:
         return np.frombuffer(owner, np.uint8, n).view(dtype).reshape(shape)
 
     def _give_back(self, buf: mmap.mmap) -> None:
-        # No lock: a finalizer may run inside `empty` (a garbage collection there). Buffers are dropped, not
-        # closed: the owner's export ends only after this callback; the map goes with its last reference.
-        if not self.closed:
-            self._returned.append(buf)
+        # Never waits for the lock: a finalizer may run inside `empty` (a garbage collection there), whose thread
+        # holds it; then the buffer waits in _returned for the next `empty`. Buffers are dropped, not closed: the
+        # owner's export ends only after this callback; the map goes with its last reference.
+        if self.closed:
+            return
+        self._returned.append(buf)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._sort_returned()
+            finally:
+                self._lock.release()
+        if self.closed:  # closed meanwhile: nothing may stay
+            self._returned.clear()
 
     def _sort_returned(self) -> None:
         """(Under the lock.) The buffers given back join the free ones, beyond `keep` bytes the smallest dropped."""

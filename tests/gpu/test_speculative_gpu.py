@@ -27,10 +27,10 @@ def test_gathered_fp4_kernel_over_two_flash_layers(n, N, K):
 
     G = 2 * 384
     kx, kw, ks, ki = jax.random.split(jax.random.key(n), 4)
-    w = {"fp4": jax.random.randint(kw, (G, N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8),
+    w = {"fp4": jax.random.bits(kw, (G, N, K // 2), jnp.uint8),
          "scale": jax.random.randint(ks, (G, N, K // 32), 120, 131, jnp.int32).astype(jnp.uint8)}
     x = jax.random.normal(kx, (n, K), jnp.bfloat16)
-    ids = jax.random.randint(ki, (n,), 0, G).at[-1].set(G - 1)
+    ids = jax.random.randint(ki, (n,), 0, G).at[0].set(0).at[-1].set(G - 1)  # both layers, the last byte
     assert gathered.fits(x, w)
     got = np.asarray(jax.jit(gathered.matmul)(x, w, ids).astype(jnp.float32))
     want = np.asarray(jax.jit(gathered.reference)(x, w, ids).astype(jnp.float32))
