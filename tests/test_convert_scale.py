@@ -150,7 +150,7 @@ def test_a_bf16_import_never_holds_float32_copies(tmp_path, shape):
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["dtypes"] == ["bfloat16"]
-    assert got["peak"] - got["before"] < total + 2 * largest + (16 << 20), (got, total)
+    assert got["peak"] - got["before"] < total + 2 * largest + (32 << 20), (got, total)
 
 
 def test_gguf_params_do_not_alias_the_source_file():
