@@ -118,10 +118,13 @@ class BufferPool:
         self._returned.append(buf)
         if self._lock.acquire(blocking=False):
             try:
-                self._sort_returned()
+                if self.closed:  # closed meanwhile: nothing may stay
+                    self._returned.clear()
+                else:
+                    self._sort_returned()
             finally:
                 self._lock.release()
-        if self.closed:  # closed meanwhile: nothing may stay
+        elif self.closed:
             self._returned.clear()
 
     def _sort_returned(self) -> None:
