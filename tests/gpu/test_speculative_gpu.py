@@ -2,10 +2,12 @@
 
     JAX_PLATFORMS=cuda python -m pytest tests/gpu/test_speculative_gpu.py -q
 
-On an H100 (2026-12-06) the first verify step of a speculating engine over two real-width DeepSeek V4.1-Flash
-layers with FP4 experts kept quantized (benchmarks/spec_bench.py --engine) stopped with CUDA_ERROR_ILLEGAL_ADDRESS
-in `jit_verify_step`; the prefill chunks before it ran. Not diagnosed yet (no device time was left): this test
-reproduces that run, with the gathered-experts kernel on and off, so that the next GPU session starts from it.
+On an H100 (2026-12-06, commit 7275596) the first verify step of a speculating engine over two real-width DeepSeek
+V4.1-Flash layers with FP4 experts kept quantized (benchmarks/spec_bench.py --engine: one 512-token prompt, a
+2048-token step budget) stopped with CUDA_ERROR_ILLEGAL_ADDRESS in `jit_verify_step`; the prefill chunk before it
+ran. On an H200 at 4fd8f78 the same benchmark still stops so, while the gathered FP4 kernel alone over two layers'
+stack and the engine with two 64-token prompts (kernel on and off) pass: what differs is the context (512) and
+the one-chunk prefill. The "512-token prompt" cases reproduce the benchmark's run; they fail today.
 """
 import sys
 from pathlib import Path
@@ -51,14 +53,19 @@ def flash():
     return jm.Model(cfg, params)
 
 
-def _run(model, k: int, rows: int = 2, new: int = 12):
+SHAPES = {"64-token prompts": dict(rows=2, prompt=64, max_len=256, budget=512),
+          "512-token prompt": dict(rows=1, prompt=512, max_len=604, budget=2048)}  # spec_bench --engine's
+
+
+def _run(model, k: int, rows: int, prompt: int, max_len: int, budget: int, new: int = 12):
     from serving import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(model, EngineConfig(max_num_seqs=rows, max_model_len=256, block_size=16, kv_blocks=rows * 64 + 64,
-                                        max_num_batched_tokens=512, num_speculative_tokens=k))
+    engine = Engine(model, EngineConfig(max_num_seqs=rows, max_model_len=max_len, block_size=16,
+                                        kv_blocks=rows * 3 * (max_len // 16 + 16), max_num_batched_tokens=budget,
+                                        num_speculative_tokens=k))
     rng = np.random.default_rng(0)
     for i in range(rows):
-        engine.add(str(i), rng.integers(3, model.config.vocab_size, 64).tolist(),
+        engine.add(str(i), rng.integers(3, model.config.vocab_size, prompt).tolist(),
                    SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
     got = {}
     while engine.has_work():
@@ -67,15 +74,16 @@ def _run(model, k: int, rows: int = 2, new: int = 12):
     return [got[str(i)] for i in range(rows)], engine
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kernel", [True, False], ids=["gathered-kernel", "xla-gather"])
-def test_speculating_engine_runs_at_real_widths(flash, kernel, monkeypatch):
+def test_speculating_engine_runs_at_real_widths(flash, kernel, shape, monkeypatch):
     """Every request gets its tokens and the first one (from the prefill chunk, the same path in both engines)
     equals the plain engine's; the later ones may differ by bf16 rounding between one-token and chunked passes."""
     from jaxmodels.layers import gathered
 
     if not kernel:
         monkeypatch.setattr(gathered, "fits", lambda x, w: False)
-    plain, _ = _run(flash, 0)
-    spec, engine = _run(flash, 3)
-    assert [len(t) for t in spec] == [12, 12] and [t[0] for t in spec] == [t[0] for t in plain]
+    plain, _ = _run(flash, 0, **SHAPES[shape])
+    spec, engine = _run(flash, 3, **SHAPES[shape])
+    assert [len(t) for t in spec] == [12] * len(spec) and [t[0] for t in spec] == [t[0] for t in plain]
     assert engine.stats()["spec_steps"] > 0
