@@ -5,6 +5,11 @@ through one grouped matmul. No capacity factor, nothing dropped. `dense` compute
 every token and masks: the reference the sparse path is tested against. Experts kept quantized
 ({"fp8"|"fp4", "scale"} leaves, [E, out, in]) are expanded inside the computation. The sharding decision
 is an argument: `shard` (see jaxmodels.sharding.Sharding) says whether experts are split over a mesh axis.
+
+More experts than the grouped kernels take (DeepSeek's 256-384, Qwen3-MoE's 128) go through `_windows`: one loop
+step per window of an expert's rows. XLA lowers `lax.ragged_dot` densely (every row through every expert behind a
+mask: E times the FLOPs, a [rows, E * in] operand), which at V4.1-Flash widths is 6e9 elements for a 512-token
+prefill, with every FP4 expert expanded to bf16 (9 GB a matrix) before it.
 """
 import jax
 import jax.numpy as jnp
@@ -106,16 +111,66 @@ def _routed(spec, p, xt, w, idx, first, stack=None):
     w = jnp.where(mine, w, 0)
     if xt.shape[0] * spec.top_k <= E:
         return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1), stack)
-    if isinstance(p["w_gate"], dict):  # expand every expert once, [E, in, out]
-        p = p | {k: jnp.swapaxes(qdq.dequant(p[k], xt.dtype), -1, -2) for k in ("w_gate", "w_up", "w_down")}
     flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token, sorted_e = order // spec.top_k, flat[order]
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
-    e = jnp.minimum(sorted_e, E - 1)  # other devices' rows sort last, past every group, and come out zero
-    y = _expert_out(spec, p, xt[token], e, ragged=sizes)
+    if E > WINDOWED_EXPERTS:
+        y = _windows(spec, p, xt[token], sizes, stack)
+    else:
+        if isinstance(p["w_gate"], dict):  # expand every expert once, [E, in, out]
+            p = p | {k: jnp.swapaxes(qdq.dequant(p[k], xt.dtype), -1, -2) for k in ("w_gate", "w_up", "w_down")}
+        e = jnp.minimum(sorted_e, E - 1)  # other devices' rows sort last, past every group, and come out zero
+        y = _expert_out(spec, p, xt[token], e, ragged=sizes)
     y = y * w.reshape(-1)[order][:, None]
     return jnp.zeros_like(xt).at[token].add(y.astype(xt.dtype))
+
+
+WINDOWED_EXPERTS = grouped.MAX_GROUPS  # more experts than this: `_windows`, not one grouped matmul per matrix
+
+
+def _window(rows: int, experts: int) -> int:
+    """Rows a loop step takes: about the mean group, a power of two in [16, 256]."""
+    return min(256, max(16, 1 << max(0, -(-rows // experts) - 1).bit_length()))
+
+
+def _windows(spec, p, x, sizes, stack=None):
+    """Rows sorted by expert (x [M, D], group sizes [E], sum <= M) through their experts, a window of W rows of
+    one expert a step: E + M / W steps, each reading one expert's matrices (decoding just that expert if kept
+    quantized; with `stack`, in place in every layer's stack) and W rows from its group's start. Rows past the
+    groups come out zero, as `lax.ragged_dot` gives them. Memory is O(M + one expert), work ~ routed rows."""
+    M, D = x.shape
+    E = sizes.shape[0]
+    W = _window(M, E)
+    pieces = -(-sizes // W)
+    first = jnp.cumsum(pieces) - pieces  # the first step of each expert
+    starts = jnp.cumsum(sizes) - sizes
+    padded = jnp.concatenate([x, jnp.zeros((W, D), x.dtype)])  # a window from any start stays inside
+
+    def expert(name, e):
+        if stack is None:
+            w = jax.tree.map(lambda v: v[e], p[name])
+        else:  # [L, E, ...]: this layer's expert e, sliced from the stack (not this layer's copy of it)
+            w = jax.tree.map(lambda v: v[stack[1], e], stack[0][name])
+        return qdq.dequant(w, x.dtype).T if isinstance(w, dict) else w  # [in, out]
+
+    def step(j, out):
+        e = jnp.minimum(jnp.searchsorted(first, j, side="right") - 1, E - 1)
+        piece = j - first[e]
+        start = starts[e] + piece * W
+        valid = jnp.arange(W) < sizes[e] - piece * W  # none, past the expert's last window
+        xw = jax.lax.dynamic_slice_in_dim(padded, start, W)
+        g, u = xw @ expert("w_gate", e), xw @ expert("w_up", e)
+        if spec.bias:
+            g, u = g + p["b_gate"][e], u + p["b_up"][e]
+        y = mlp.activate(spec, g, u) @ expert("w_down", e)
+        if spec.bias:
+            y = y + p["b_down"][e]
+        kept = jax.lax.dynamic_slice_in_dim(out, start, W)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None], y.astype(out.dtype), kept), start, 0)
+
+    out = jax.lax.fori_loop(0, E + -(-M // W), step, jnp.zeros((M + W, D), x.dtype))
+    return out[:M]
 
 
 def _gathered(spec, p, xt, w, idx, stack=None):
