@@ -407,12 +407,12 @@ class Engine:
         decode, verify, chunks = [], [], []
         for p in batch.pieces:
             req, start, n = p
-            images = req.features is not None or req.cross is not None
-            is_decode = n == 1 and (start > 0 or self.runner.extend_ok) and (not images or start >= len(req.prompt))
             if req.draft:  # a speculating request verifies drafts after its generated tokens, and its drafter
                 (verify if req.verifies(start, n) else chunks).append(p)  # follows every other piece (chunks)
-            else:  # image tokens go through extend / prefill
-                (decode if is_decode else chunks).append(p)
+                continue
+            images = req.features is not None or req.cross is not None  # image tokens go through extend / prefill
+            is_decode = n == 1 and (start > 0 or self.runner.extend_ok) and (not images or start >= len(req.prompt))
+            (decode if is_decode else chunks).append(p)
         table, out = self.pool.table, []
         # Mllama: rows with images run apart (in a batch, a row without images would attend to the others' padding)
         for part in ([p for p in chunks if p[0].cross is None], [p for p in chunks if p[0].cross is not None]):
