@@ -141,6 +141,27 @@ def test_nonfinite_counts_every_float_format():
     assert nonfinite(np.zeros((0, 4), np.float32)) == 0
 
 
+def test_exact_widening_pairs_keep_every_value():
+    """`check_values` counts NaN/Inf on the source for the casts in EXACT_WIDENING (fewer bytes): right only if the
+    cast keeps every value. Every bit pattern of each pair's source (extremes and non-finite values, for a wider
+    source) casts there and back unchanged, so a pair added that can overflow or round fails here."""
+    from converters.hf import EXACT_WIDENING
+
+    assert EXACT_WIDENING
+    for src, dst in EXACT_WIDENING:
+        if src.itemsize <= 2:
+            x = np.arange(1 << 8 * src.itemsize, dtype=np.uint64).astype(f"u{src.itemsize}").view(src)
+        else:
+            info = ml_dtypes.finfo(src)
+            x = np.array([0, -0.0, 1, info.max, info.min, info.tiny, info.smallest_subnormal, info.eps, np.inf,
+                          -np.inf, np.nan], src)
+        with np.errstate(over="ignore", invalid="ignore"):
+            back = x.astype(dst).astype(src)
+        assert np.array_equal(back.view(f"u{src.itemsize}"), x.view(f"u{src.itemsize}")) or \
+            np.array_equal(back, x, equal_nan=True), f"{src} -> {dst} loses values"
+        assert nonfinite(x.astype(dst)) == nonfinite(x), f"{src} -> {dst}"
+
+
 def test_integer_parameters_take_integer_tensors():
     """Tables such as DeepSeek's hash router tid2eid (int32): a float source would truncate, int64 past int32 wrap."""
     out = np.zeros(4, np.int32)
