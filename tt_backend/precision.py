@@ -52,6 +52,22 @@ activations alone flip experts no format helps: Qwen3-MoE 7177 (4 layers, expert
 its top rung missed 0.99 on 4 of 8 prompts (mean min-layer PCC 0.9886); GPT-OSS 7243 reaches 0.9886 on the logits
 with every group at its top rung and 0.9901 even with fp32 weights and KV cache (exact expert choices: 0.9998).
 
+Where the swaps come from (GPT-OSS, D 128, I 256, 4 layers, matrix std 0.08, norms 1 +- 0.2, expert gate/up std
+0.5, seeds 7243, 7301, 7311-7316 of tests/tt/test_precision_policy.py's `model`; min layer PCC as chosen: 0.9888,
+0.9936, 0.9969, 0.9940, 0.9966, 0.9905, 0.9888, 0.9898: 3 of 8 under 0.99). In 7243 layer 0 already has 2 of 128
+tokens with a swapped expert (PCC 0.9946), each moving its token's output by the whole expert difference (layer
+output error 10 %); the router input's error is 0.4 % (its logits' noise std 0.005 against a median 2nd-3rd gap of
+0.12, 10 % quantile 0.03: the swaps are the few tokens within ~0.01). Switched one at a time, none of these removes
+them: fp32 router logits / top-k / softmax (0.99455 -> 0.99455), an fp32 residual stream and norm outputs, fp32
+biases. What does is the weights' storage: the test draws float32 weights, which no device format holds; with the
+same weights rounded to bf16 first (as every checkpoint is) the case reaches 0.9989 (layer 0: 0.99997). A float32
+rung for wqkv / wo / the router, bought only against routing error, was tried (patch not kept): per seed it moved
+the min layer PCC both ways (7315 0.9888 -> 0.9986, 7316 0.9898 -> 0.9748, 7243 0.9888 -> 0.9827 where the
+estimate then preferred a cheaper policy): with 0-3 near-tied tokens per layer the realised error is a draw, and
+an estimate from one 128-token probe cannot order policies whose expected swap counts differ by less than one.
+So a hard 0.99 on every seed is not reachable by a format choice here; tt-metal keeps its gates bf16 (above) and
+would show the same swaps against a float32 reference.
+
 What no per-tensor policy fixes: a model whose layers amplify small perturbations (Gemma3 with norm weights
 ~3 +- 1, so q/k norms make attention near one-hot) loses accuracy to bf16 activations alone (0.974 with
 every weight bf16 and HiFi4, 0.984 with fp32 activations as well); `choose` reports it through `report`.

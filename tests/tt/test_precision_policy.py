@@ -101,9 +101,10 @@ def _prefill(m, tokens, numerics, pol="performance"):
     return t, ex
 
 
-def measured(family: str, case, pol="performance") -> dict:
-    """One case at full TT numerics under `pol` (a name: measured per model) against jm.forward / the exact run."""
-    m = model(family, case)
+def measured(family: str, case, pol="performance", m=None) -> dict:
+    """One case at full TT numerics under `pol` (a name: measured per model) against jm.forward / the exact run
+    (m: the case's model, if not `model(family, case)`)."""
+    m = model(family, case) if m is None else m
     cfg = m.config
     tokens = np.random.default_rng(case[0] + 1).integers(0, cfg.vocab_size, T)
     ref = np.asarray(jm.forward(m, tokens[None]))[0]
@@ -228,3 +229,29 @@ def test_routing_blind_policy_fails_where_the_routing_term_passes(case):
     blind = precision.choose(model("qwen3_moe", case), "performance", executor=Executor, routing=False).policy
     r = measured("qwen3_moe", case, blind)
     assert min(r["layer_min"], r["logits"]) < PCC, r["msg"]
+
+
+# GPT-OSS with large experts over 4 layers: 3 of 8 seeds (7243, 7301, 7311-7316) miss 0.99 from 0-3 near-tied tokens
+# per layer whose experts swap (tt_backend/precision.py, "Where the swaps come from")
+GPT_OSS_HARD = (7243, 128, 256, 4, 0.08, 0.0, 0.2, 0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="min layer PCC 0.9888: 2 of 128 tokens swap an expert in layer 0 from the "
+                   "rounding of float32 test weights; no format choice tried lifts every seed (precision.py)")
+def test_gpt_oss_hard_case_misses_pcc():
+    check("gpt_oss", GPT_OSS_HARD)
+
+
+@pytest.mark.slow
+def test_gpt_oss_hard_case_passes_with_checkpoint_weights():
+    """The same case with its weights rounded to bf16 first (what a checkpoint holds): no swaps in layer 0, and
+    PCC >= 0.99 (measured 0.9989): the swaps above come from the weights' storage, not the program."""
+    import ml_dtypes
+
+    m = model("gpt_oss", GPT_OSS_HARD)
+    rounded = lambda t: ({k: rounded(v) for k, v in t.items()} if isinstance(t, dict) else  # noqa: E731
+                         np.asarray(t).astype(ml_dtypes.bfloat16).astype(np.float32))
+    r = measured("gpt_oss", GPT_OSS_HARD, m=jm.Model(m.config, rounded(m.params)))
+    RESULTS.append(("gpt_oss", GPT_OSS_HARD, r["layer_min"], r["logits"], r["top1"]))
+    assert r["layer_min"] >= PCC and r["logits"] >= PCC, r["msg"]
