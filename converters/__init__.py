@@ -53,8 +53,7 @@ def _plan_kw(fam) -> dict:
 def source_items(cfg, reader, fam, tok, dtype: str = "float32", keep_quantized: bool = False,
                  skip_mtp: bool = False):
     """items(done, bar, into) -> the converted placements of an opened source as `hf.stream` items, leaving out
-    the keys in `done` (into: see `hf.stream`; DeepSeek's go through assemble's copy). keep_quantized, skip_mtp:
-    see `read_source`."""
+    the keys in `done` (into: see `hf.stream`). keep_quantized, skip_mtp: see `read_source`."""
     if keep_quantized and not fam.quantized:
         raise ValueError(f"keep_quantized applies to DeepSeek V4's FP8/FP4 checkpoints, not to {cfg.family}")
     if not fam.quantized:
@@ -64,7 +63,7 @@ def source_items(cfg, reader, fam, tok, dtype: str = "float32", keep_quantized: 
     from converters import deepseek
 
     return lambda done=frozenset(), bar=None, into=None: deepseek.items(reader, cfg, tok, dtype, keep_quantized,
-                                                                        skip_mtp, done, bar)
+                                                                        skip_mtp, done, bar, into)
 
 
 class ByteBar(tqdm):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from converters import deepseek_quant as dq
-from converters.hf import (Part, Placement, Quantized, assemble, check_values, nonfinite, normalize, np_dtype,
+from converters.hf import (Leaves, Part, Placement, Quantized, assemble, check_values, nonfinite, normalize, np_dtype,
                            plan_import, source_bytes, stream)
 from converters.safetensors_io import CheckpointError
 from converters.transforms import TRANSFORMS, transpose
@@ -142,13 +142,14 @@ def _block(w_shape, s_shape, name) -> int:
 
 
 def backbone(reader, cfg, dtype: str = "float32", token_map=None, keep_quantized: bool = False, done=frozenset(),
-             bar=None):
-    """`hf.stream` items of the backbone; Engram's token map (built from the tokenizer) goes in as `engram_map`."""
+             bar=None, into=None):
+    """`hf.stream` items of the backbone; Engram's token map (built from the tokenizer) goes in as `engram_map`.
+    into: the Leaves `assemble` fills (transposed tensors are written straight into their slots, see hf.stream)."""
     if cfg.engram is not None and token_map is None:
         raise CheckpointError("this model uses Engram, which needs the tokenizer (tokenizer.json) to build its "
                               "compressed-vocabulary map; none was found")
     names, skip = fam.import_names(cfg)  # V4.1 with vision: the tower, the aligner, the delimiters and bias_vl too
-    yield from stream(QuantReader(reader, keep_quantized), cfg, names, dtype, skip, done=done, bar=bar,
+    yield from stream(QuantReader(reader, keep_quantized), cfg, names, dtype, skip, done=done, bar=bar, into=into,
                       renames=fam.RENAMES, derived=fam.DERIVED)
     if cfg.engram is not None and ("engram_map", ()) not in done:
         yield ("engram_map", ()), [Part("engram_map", (), (), np.asarray(token_map, np.int32))]
@@ -157,7 +158,8 @@ def backbone(reader, cfg, dtype: str = "float32", token_map=None, keep_quantized
 def import_backbone(reader, cfg, dtype: str = "float32", progress: bool = True, token_map=None,
                     keep_quantized: bool = False) -> dict:
     """Host params of the backbone (see `backbone`)."""
-    return assemble(backbone(reader, cfg, dtype, token_map, keep_quantized))
+    leaves = Leaves()
+    return assemble(backbone(reader, cfg, dtype, token_map, keep_quantized, into=leaves), leaves)
 
 
 class _Only:
@@ -177,13 +179,14 @@ def has_mtp_tensors(reader) -> bool:
     return any(canonical(k).startswith("mtp.") for k in reader.keys())
 
 
-def mtp_items(reader, cfg, dtype: str = "float32", keep_quantized: bool = False, done=frozenset(), bar=None):
+def mtp_items(reader, cfg, dtype: str = "float32", keep_quantized: bool = False, done=frozenset(), bar=None,
+              into=None):
     """`hf.stream` items of the `mtp.*` tensors (DeepSeek or HF spelling), none when the config has no MTP and the
     checkpoint none either; the blocks' embed/head copies are the backbone's (left out)."""
     mtp = _Only(reader, "mtp.")
     if specs := _mtp_specs(mtp, cfg):
         yield from stream(QuantReader(mtp, keep_quantized), cfg, fam.MTP_NAMES, dtype, fam.MTP_SKIP, done=done,
-                          bar=bar, renames=fam.RENAMES, specs=specs, layer=lambda i: (f"mtp/{i}/", ()), what="MTP ",
+                          bar=bar, into=into, renames=fam.RENAMES, specs=specs, layer=lambda i: (f"mtp/{i}/", ()), what="MTP ",
                           hint=" (load without MTP to skip them)")
 
 
@@ -200,20 +203,21 @@ def _mtp_specs(mtp, cfg) -> dict:
 
 def import_mtp(reader, cfg, dtype: str = "float32", keep_quantized: bool = False) -> dict:
     """Host params {"mtp": {...}} of the `mtp.*` tensors ({} when there are none; see `mtp_items`)."""
-    return assemble(mtp_items(reader, cfg, dtype, keep_quantized))
+    leaves = Leaves()
+    return assemble(mtp_items(reader, cfg, dtype, keep_quantized, into=leaves), leaves)
 
 
 def items(reader, cfg, tok, dtype: str = "float32", keep_quantized: bool = False, skip_mtp: bool = False,
-          done=frozenset(), bar=None):
+          done=frozenset(), bar=None, into=None):
     """All `hf.stream` items of a DeepSeek V4 checkpoint: backbone, Engram map, MTP / DSpark blocks (unless
-    skip_mtp)."""
+    skip_mtp); into: see `backbone`."""
     token_map = engram_map(tok, cfg) if cfg.engram is not None and tok is not None else None
-    yield from backbone(reader, cfg, dtype, token_map, keep_quantized, done, bar)
+    yield from backbone(reader, cfg, dtype, token_map, keep_quantized, done, bar, into)
     if has_mtp_tensors(reader):
         if skip_mtp:
             log.info("left out the MTP / DSpark weights (skip_mtp)")
         else:
-            yield from mtp_items(reader, cfg, dtype, keep_quantized, done, bar)
+            yield from mtp_items(reader, cfg, dtype, keep_quantized, done, bar, into)
 
 
 def engram_map(tok, cfg) -> np.ndarray:

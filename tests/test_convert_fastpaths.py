@@ -229,6 +229,30 @@ def test_an_import_transposing_into_its_leaves_equals_one_that_copies(tmp_path, 
     assert w_up.shape[1:] == (512, 1536) and w_up.ctypes.data % 64 == 0
 
 
+@pytest.mark.parametrize("keep_quantized", [False, True])
+def test_a_deepseek_import_transposes_into_its_leaves_too(tmp_path, monkeypatch, keep_quantized):
+    """DeepSeek's FP8/FP4 import (backbone and MTP blocks) writes its transposed tensors into their stacked leaves'
+    slots as the HF path does: the same parameters as assembling the stream's own arrays."""
+    import converters
+    from jaxmodels.plan import flatten
+    from tests.oracles import deepseek_ckpt as ck
+
+    hf_cfg = ck.tiny_config("v4.1")
+    ck.write_checkpoint(str(tmp_path / "src"), hf_cfg)
+    ck.write_word_tokenizer(tmp_path / "src", hf_cfg["text_config"]["vocab_size"])
+    into, real = [], hf.transpose
+    monkeypatch.setattr(hf, "transpose", lambda x, dt, out=None: into.append(out is not None) or real(x, dt, out))
+    _, direct, _ = converters.read_source(tmp_path / "src", "float32", progress=False, keep_quantized=keep_quantized)
+    assert into.count(True) > 0 and "mtp" in direct
+    monkeypatch.setattr(hf, "transpose", real)
+    cfg, reader, fam, tok = converters.open_source(tmp_path / "src")
+    copied = hf.assemble(converters.source_items(cfg, reader, fam, tok, "float32", keep_quantized)())
+    a, b = flatten(direct), flatten(copied)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes(), k
+
+
 def test_transpose_into_a_wrong_out_is_refused():
     x = np.zeros((600, 700), BF16)
     with pytest.raises(ValueError, match="needs C-contiguous float32"):
