@@ -14,6 +14,7 @@ vs jitted fp32 arithmetic (~1e-6 apart) can flip a near-tied expert choice of a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -56,7 +57,10 @@ def _roles(cfg):
     return [s.attention.mla for s in cfg.layers]
 
 
+@functools.lru_cache(maxsize=None)
 def _jit_forward(cfg):
+    """One jitted forward per config, so that a test's second forward of a shape reuses the first's compile (a
+    fresh lambda is a fresh jit cache: ~10 s of XLA a tiny DeepSeek forward on 2 cores)."""
     return jax.jit(lambda p, t: M.forward(p, cfg, t))
 
 
