@@ -7,6 +7,7 @@ short windows and small compression ratios so that chunks cross group boundaries
 indexer top-k below the visible entries so that the selection matters.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,8 @@ from tests.oracles import deepseek_ckpt
 from tests.parity.test_deepseek_v4 import V4_TINY
 
 TOL = 2e-5
+NEW = 12
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def v4_config():
@@ -44,10 +47,31 @@ def _precise():
         yield
 
 
+@functools.lru_cache(maxsize=None)
+def _tiny(name):
+    cfg = CONFIGS[name]()
+    return cfg, M.init_params(cfg, seed=1, std=0.05, mtp=True)
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def tiny(request):
-    cfg = CONFIGS[request.param]()
-    return cfg, M.init_params(cfg, seed=1, std=0.05, mtp=True)
+    return _tiny(request.param)
+
+
+def _prompts(vocab):
+    rng = np.random.default_rng(4)
+    return [rng.integers(3, vocab, n).tolist() for n in (5, 11, 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(name):
+    """Plain greedy decoding of `_prompts`, 4 tokens past NEW (the oracle drafter reads up to k + 1 ahead): one
+    compile of plain generate per config for the tests below (greedy decoding is causal: its first NEW tokens are
+    what max_new_tokens=NEW gives)."""
+    import jaxmodels as jm
+
+    cfg, params = _tiny(name)
+    return jm.generate(_model(cfg, params), _prompts(cfg.vocab_size), max_new_tokens=NEW + 4, ignore_eos=True)
 
 
 _forward = jax.jit(M.forward, static_argnums=1)
@@ -127,18 +151,16 @@ def _model(cfg, params):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_speculative_equals_plain_decoding(tiny, k):
+def test_greedy_speculative_equals_plain_decoding(tiny, k, request):
     """Batch of 3 prompts of different lengths with the model's own drafter (random weights: it is wrong at
     nearly every step, so this checks the rejection path and the drafter's cache updates)."""
     import jaxmodels as jm
 
     cfg, params = tiny
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 11, 2)]
+    plain = _plain(request.node.callspec.params["tiny"])
     model = _model(cfg, params)
-    plain = jm.generate(model, prompts, max_new_tokens=12, ignore_eos=True)
-    spec = jm.generate(model, prompts, max_new_tokens=12, ignore_eos=True, num_speculative_tokens=k)
-    assert spec.tokens == plain.tokens
+    spec = jm.generate(model, _prompts(cfg.vocab_size), max_new_tokens=NEW, ignore_eos=True, num_speculative_tokens=k)
+    assert spec.tokens == [a[:NEW] for a in plain.tokens]
     assert plain.acceptance_rate is None and 0 <= spec.acceptance_rate <= 1
     assert 1 <= spec.tokens_per_step <= k + 1
 
@@ -146,7 +168,7 @@ def test_greedy_speculative_equals_plain_decoding(tiny, k):
 def _oracle_drafter(monkeypatch, answers, lengths, wrong):
     """Replace the drafter's proposals by the plain decoding's tokens (`answers` [B, N], generated part), except
     where wrong(pos [B], depth [k]) says: there the proposal is off by one. The drafter itself still runs (its
-    cache updates are exercised); jit caches are dropped so that the traced loop sees the replacement."""
+    cache updates are exercised); the loop's jit cache is dropped so that its trace sees the replacement."""
     table, lengths, own = jnp.asarray(answers, jnp.int32), jnp.asarray(lengths, jnp.int32), S.propose
 
     def propose(params, cfg, dcache, dstate, token, pos, k, pick):
@@ -155,7 +177,7 @@ def _oracle_drafter(monkeypatch, answers, lengths, wrong):
         right = table[jnp.arange(table.shape[0])[:, None], idx]
         return jnp.where(wrong(pos[:, None], jnp.arange(k)), (right + 1) % cfg.vocab_size, right), logits, dcache
 
-    jax.clear_caches()
+    S.generate.clear_cache()
     monkeypatch.setattr(S, "propose", propose)
 
 
@@ -167,13 +189,11 @@ def test_greedy_speculative_with_accepted_drafts_equals_plain_decoding(name, k, 
     counters are exact: every draft accepted, and 11 tokens after the first in ceil(11 / (k+1)) steps a row."""
     import jaxmodels as jm
 
-    cfg = CONFIGS[name]()
-    params = M.init_params(cfg, seed=1, std=0.05, mtp=True)
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 11, 2)]
+    cfg, params = _tiny(name)
+    prompts = _prompts(cfg.vocab_size)
     model = _model(cfg, params)
-    new = 12
-    answers = jm.generate(model, prompts, max_new_tokens=new + k + 1, ignore_eos=True).tokens
+    new = NEW
+    answers = _plain(name).tokens  # new + 4 >= new + k + 1 tokens
     stop = [answers[1][3:5]]  # ends row 1 (and any row where the pair occurs) early
     plain = jm.generate(model, prompts, max_new_tokens=new, ignore_eos=True, stop=stop)
     assert len(plain.tokens[1]) < new
@@ -192,7 +212,7 @@ def test_greedy_speculative_with_accepted_drafts_equals_plain_decoding(name, k, 
         spec = jm.generate(model, prompts, max_new_tokens=new, ignore_eos=True, stop=stop, num_speculative_tokens=k)
         assert spec.tokens == plain.tokens
     finally:
-        jax.clear_caches()
+        S.generate.clear_cache()
 
 
 # ------------------------------------------------------------------------------ sampling: the rejection rule
@@ -251,6 +271,7 @@ def test_rejection_rule_preserves_a_known_target_distribution():
     assert _chi2_pvalue(counts, exact) > ALPHA
 
 
+@pytest.mark.usefixtures("optimised_compiles")
 def test_sampled_speculative_generate_has_the_target_distribution():
     """End to end on tiny V4 (classic MTP drafts): 1536 rows of one prompt sample 3 tokens with top_k=3 and
     temperature 1.5
