@@ -15,6 +15,7 @@ import functools
 import numpy as np
 
 from jaxmodels.plan import plan
+from tt_backend import paged_cache as pc
 from tt_backend.deepseek_lowering import BIG, kv_specs, lower, rope_key
 from tt_backend.emu import numerics as num
 from tt_backend.emu.ops import OPS, Env
@@ -353,8 +354,9 @@ def paged_caches(cfg) -> list[dict]:
 class DeepSeekVLLMExecutor:
     """`tt_backend.generator.Executor` for DeepSeek V4 / V4.1: the lowered programs on the emulator with one page table
     and one buffer per cache (per-cache tables), listed in `paged_caches` order. The window caches are rings of their
-    ``cache_position_modulo`` tokens. Prefill runs a whole prompt from position 0 (no chunks, no cached prefix);
-    decode takes each row's previous tokens (``history``, for Engram's n-gram hashes, which run on the host).
+    ``cache_position_modulo`` tokens. Prefill runs a prompt's first chunk from position 0 through the prefill program
+    and continues a sequence anywhere (later chunks, a cached prefix) through `extend`; decode takes each row's
+    previous tokens (``history``, for Engram's n-gram hashes, which run on the host).
 
     Every block a step reads or writes must be in the user's table: -1 there raises, it is not a skip (a decode
     gathers whole rows through ttnn.embedding, which has no skip rule). Columns past them go to the decode program
@@ -400,15 +402,21 @@ class DeepSeekVLLMExecutor:
             out[c["cache"]] = full
         return out
 
+    EXTEND_ROWS = 32  # rows of the decode program that continues a prompt (one tile of rows, the decode batch limit)
+
     def prefill(self, tokens, *, chunk_start, last_token_idx, valid_seq_len, page_tables, chunk_page_tables,
-                kv_cache, cache_position_modulo, owners, **multimodal):
-        if chunk_start:
-            raise NotImplementedError(f"DeepSeek prefill runs whole prompts from position 0, not from {chunk_start} "
-                                      "(no chunked prefill or prefix caching)")
+                kv_cache, cache_position_modulo, owners, history=None, **multimodal):
+        """A prompt's first chunk (chunk_start 0) runs the prefill program; a later chunk, or the rest of a prompt
+        whose prefix is already cached (chunk_start > 0, any position), runs `extend`. history: the token ids
+        before chunk_start (at least max_ngram-1 of them, or all; needed with Engram when chunk_start > 0)."""
         if multimodal:
             raise NotImplementedError(f"DeepSeek prefill takes token ids only, not {sorted(multimodal)}")
         ids = np.asarray(tokens).reshape(-1)
         T, ring = int(valid_seq_len), self._ring(cache_position_modulo)
+        if chunk_start:
+            logits = self.extend(ids[:T], int(chunk_start), page_tables=page_tables, kv_cache=kv_cache, ring=ring,
+                                 owners=owners, history=history)
+            return logits[int(last_token_idx)]
         prog = self.emu.programs(T, 1, ring, per_cache=True).prefill
         if prog.tensors["tokens"].shape[1] != ids.shape[0]:
             raise ValueError(f"prefill of {T} tokens runs {prog.tensors['tokens'].shape[1]} rows, got {ids.shape[0]}")
@@ -416,6 +424,47 @@ class DeepSeekVLLMExecutor:
                       self._tables(prog, page_tables, [T], ring))
         t = self.emu._run(prog, host, caches=self._buffers(kv_cache), owners=owners)
         return _logits(t, prog)[int(last_token_idx)]
+
+    def extend(self, ids, start: int, *, page_tables, kv_cache, ring, owners, history=None) -> np.ndarray:
+        """Continue one user's sequence at position `start` with the token ids `ids` (caches hold positions < start:
+        an earlier chunk, or a cached prefix) -> logits [len(ids), vocab].
+
+        The tokens run as the rows of the decode program, `EXTEND_ROWS` at a time, every row addressing the same
+        user's page tables at its own position: each row writes its window row, compressor state and (where its
+        group completes) its compressed entry before any row reads the caches, and the masks hide from each row what
+        lies after it, so a row reads exactly what a decode step at its position would. This is how a chunk starts
+        anywhere: mid compression group (the group's earlier rows are in the token-indexed compressor state), mid
+        window, mid candidate block. A ring of m slots is written at most m - window + 1 positions per step, so no
+        row overwrites a slot an earlier row of its step still reads. (The prefill program cannot continue: its
+        attention, pooling and indexer see only its own rows.)"""
+        ids = np.asarray(ids).reshape(-1)
+        g = self.config.engram
+        if g is not None and history is None:
+            raise ValueError("Engram hashes each token with the ones before it: a continued prefill needs history")
+        before = [] if history is None else [int(x) for x in np.asarray(history).reshape(-1) if x >= 0]
+        rows = self.EXTEND_ROWS
+        if ring:
+            rows = min(rows, ring - max(s.attention.window for s in self.config.layers) + 1)
+        if start + len(ids) > self.emu.max_seq_len:
+            raise ValueError(f"positions up to {start + len(ids) - 1} >= max_seq_len={self.emu.max_seq_len}")
+        prog = self.emu.programs(1, rows, ring, per_cache=True).decode
+        one = [np.asarray(t, np.int32)[:1] for t in page_tables]
+        row_owners = None if owners is None else pc.RowOwners(owners.allocator, [owners.request_of_row[0]] * rows)
+        seq, out = before + [int(x) for x in ids], []
+        for s in range(0, len(ids), rows):
+            n = min(rows, len(ids) - s)
+            toks = np.zeros(rows, np.int64)
+            pos = np.full(rows, -1, np.int64)
+            toks[:n], pos[:n] = ids[s:s + n], start + s + np.arange(n)
+            at = len(before) + s  # index of the step's first token in seq
+            histories = [seq[:at + j + 1] for j in range(n)] + [[0]] * (rows - n)
+            tables = self._tables(prog, [np.repeat(t, rows, 0) for t in one], [int(q) + 1 for q in pos[:n]] +
+                                  [0] * (rows - n), ring)
+            tables = {k: np.maximum(t, 0) for k, t in tables.items()}  # ttnn.embedding reads every column
+            host = inputs(self.config, self.emu.model.params, histories, pos, prog, tables)
+            out.append(_logits(self.emu._run(prog, host, caches=self._buffers(kv_cache), owners=row_owners),
+                               prog)[:n])
+        return np.concatenate(out)
 
     def decode(self, tokens, positions, *, page_tables, kv_cache, cache_position_modulo, owners, history=None):
         """tokens / positions [B] (-1: an inactive row); history [B, max_ngram-1] each row's previous token ids

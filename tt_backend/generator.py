@@ -50,9 +50,11 @@ default, sliding layers keep full-length caches and both work).
 DeepSeek V4 / V4.1 (`DeepseekV4ForCausalLM`) run through the same ``prefill_forward`` / ``decode_forward``, over
 its hybrid caches by kind: every cache of `kv_cache_specs` (per layer a window ring; on kv sources compressed
 CSA / HCA entries, indexer keys, compressor state) has its own buffer and page table, passed by name
-(``page_tables_per_layer={name: table}``); the default executor is `deepseek_emu.DeepSeekVLLMExecutor`. Its
-prompts prefill whole from position 0 (no prefix caching or chunked prefill), and the generator keeps each slot's
-last tokens for Engram's host-side n-gram hashes (moved by ``slot_remap`` with the other slot state).
+(``page_tables_per_layer={name: table}``); the default executor is `deepseek_emu.DeepSeekVLLMExecutor`. Prompts
+prefill in chunks and continue from a prefix already in the caches (``start_pos``; the blocks a request may share
+are `DeepseekV4ForCausalLM.prefix_blocks`), but vLLM's prefix caching is not advertised (the window ring and partly
+filled entry blocks would need copies). The generator keeps each slot's last tokens for Engram's host-side n-gram
+hashes (moved by ``slot_remap`` with the other slot state).
 
 Deliberate differences from tt-metal (each guards a silent-corruption path it has):
 * A user's prefill page table holds only the blocks that cover its prompt; the padded tail's entries
@@ -623,7 +625,7 @@ class Generator:
                                  f"min(tokens, max_seq_len) = {min(T, self.max_seq_len)}")
             if n_cached % bs:
                 raise ValueError(f"row {idx}: start_pos {n_cached} is not a multiple of the block size {bs}")
-            if n_cached and any(modulo):
+            if n_cached and any(modulo) and not self.serves_deepseek:  # DeepSeek's executor continues its rings
                 raise NotImplementedError("prefix caching / chunk continuation is not supported with sliding rings")
             model_id = slot // self.max_batch_size_per_model
             embeddings = blocks = cross = None
@@ -637,7 +639,8 @@ class Generator:
                     embeddings, blocks = self.vision.prefill_inputs(tokens[idx, :seq_len], user_images[idx])
             out[idx, 0] = self._prefill_user(
                 tokens[idx, n_cached:seq_len], n_cached, seq_len, [pt[idx] for pt in tables], modulo,
-                kv_cache[model_id], model_id, self._row_owners(model_id, [slot]), embeddings, blocks, cross)
+                kv_cache[model_id], model_id, self._row_owners(model_id, [slot]), embeddings, blocks, cross,
+                tokens[idx, :n_cached])
             if crossing:  # what this slot's decode rows see; a request without images clears the last one's
                 self._cross_rows[slot] = None if cross is None else cross.tiles[-1].copy()
             self._remember(slot, tokens[idx, :seq_len])
@@ -739,7 +742,7 @@ class Generator:
         return self.block_size
 
     def _prefill_user(self, new_tokens, n_cached, seq_len, rows, modulo, kv, model_id, owners, embeddings=None,
-                      blocks=None, cross=None):
+                      blocks=None, cross=None, prefix=()):
         bs = self.block_size
         n_new = seq_len - n_cached
         padded = get_padded_prefill_len(n_new)
@@ -762,7 +765,9 @@ class Generator:
                 user_tables.append(pc.raw_prefill_page_table(row, -(-(n_cached + padded) // r), bs))
             else:  # entry caches (r tokens a row): the prompt's complete entries; the padded rows' entries
                 user_tables.append(pc.prefill_page_table(row, seq_len // r, -(-(n_cached + padded) // r), bs))
-        written = [set(t[0, n_cached // bs:][t[0, n_cached // bs:] >= 0].tolist()) for t in user_tables]
+        # the blocks this prefill may write: a ring's all; otherwise from the first row past the cached prefix
+        firsts = [0 if m else n_cached // r // bs for m, r in zip(modulo, self.tokens_per_entry())]
+        written = [set(t[0, a:][t[0, a:] >= 0].tolist()) for t, a in zip(user_tables, firsts)]
         for layer in self._cross_caches():  # writes its image K/V through the cross table, or nothing
             own = np.asarray(cross.page_table)[:-(-cross.states.shape[0] // bs)] if cross is not None else []
             written[layer] = {int(x) for x in own if x >= 0}
@@ -770,7 +775,7 @@ class Generator:
         if cross is not None:
             image["cross"] = cross
         chunk = get_max_prefill_chunk_size(padded, self.max_prefill_chunk_size)
-        if chunk < padded and any(modulo):
+        if chunk < padded and any(modulo) and not self.serves_deepseek:
             raise NotImplementedError("chunked prefill is not supported with sliding rings (as in tt-metal)")
         if chunk < padded and cross is not None:
             raise NotImplementedError(f"a prompt with Mllama images pads to {padded} tokens > the prefill chunk "
@@ -780,7 +785,10 @@ class Generator:
                                       f"{self.max_prefill_chunk_size}: chunked prefill has no attention mask for "
                                       "the bidirectional image blocks")
         last = n_new - 1
+        context = np.concatenate([np.asarray(prefix, np.int64).reshape(-1), np.asarray(ids[0, :n_new], np.int64)])
         for start in range(0, padded, chunk):
+            if self._history.shape[1] and n_cached + start:  # Engram hashes a chunk's tokens with those before it
+                image["history"] = context[max(0, n_cached + start - self._history.shape[1]):n_cached + start]
             end = start + chunk
             a, b = (n_cached + start) // bs, -(-(n_cached + end) // bs)
             chunk_tables = None if chunk == padded and not n_cached else [t[:, a:b] for t in user_tables]
@@ -788,7 +796,7 @@ class Generator:
                 ids[:, start:end], chunk_start=n_cached + start, last_token_idx=min(last, end - 1) - start,
                 valid_seq_len=max(0, min(n_new, end) - start), page_tables=user_tables,
                 chunk_page_tables=chunk_tables, kv_cache=kv, cache_position_modulo=modulo, owners=owners,
-                **{k: v if k == "cross" else v[start:end] for k, v in image.items()})
+                **{k: v if k in ("cross", "history") else v[start:end] for k, v in image.items()})
             if start <= last < end:  # later chunks would hold only padding
                 return logits
         raise AssertionError("unreachable: the last token lies in some chunk")
@@ -1204,11 +1212,44 @@ class DeepseekV4ForCausalLM(Generator):
     (one tensor: the latent is read as both K and V); ``prefill_forward`` / ``decode_forward`` take
     ``page_tables_per_layer={name: int32 [batch, W]}``: token caches index positions, compressed / indexer caches
     entries (position // ratio), window rings ``sliding_ring_capacity`` tokens (``cache_position_modulo``).
-    Prompts prefill whole, from position 0: no prefix caching, no chunked prefill (``max_prefill_chunk_size`` bounds
-    a prompt). Engram's n-gram hashes run on the host from each slot's last tokens, which the generator keeps."""
+    Chunked prefill: a prompt longer than ``max_prefill_chunk_size`` runs its first chunk through the prefill program
+    and the rest through `DeepSeekVLLMExecutor.extend` (any position: mid compression group, mid window).
+    ``start_pos`` continues a request whose caches already hold its first start_pos tokens (`prefix_blocks` says
+    which blocks it may share with the request that computed them and which it needs copies of). Engram's n-gram
+    hashes run on the host from each slot's last tokens, which the generator keeps (and, for a chunk, the prompt's).
+
+    ``supports_prefix_caching`` stays False: vLLM's prefix cache hands a request the cached blocks themselves, and
+    DeepSeek's window ring and a partly filled block of compressed entries are rewritten in place by the request
+    that owns them (the ring holds the prefix's last tokens only while its writer stands at the prefix's end), so
+    they would need copies taken at that moment, which vLLM's block manager does not make. vLLM then prefills whole
+    prompts (chunked), which is always correct."""
 
     serves_deepseek = True
     model_capabilities = {"supports_prefix_caching": False}
+
+    def prefix_blocks(self, n_cached: int) -> dict[str, dict]:
+        """For a prefix of `n_cached` tokens (a multiple of the block size) in another request's caches: per cache
+        (`cache_names`), ``{"share": k, "copy": [columns]}``: the new request's page table may hold the other's
+        blocks in its first k columns, read-only, and needs private copies of the other's blocks in `copy` columns
+        before its ``prefill_forward(start_pos=n_cached)``; its other columns are its own.
+
+        * compressor state (token-indexed): every block of the prefix is shared; its rows depend on the prefix
+          alone, and the compression group straddling n_cached reads its first rows there.
+        * compressed entries and indexer keys (one row per ratio tokens): the blocks of complete entries are
+          shared; a block only partly filled by the prefix's n_cached // ratio entries is copied (the request's
+          later entries are written into it).
+        * window ring: nothing shared, every column copied (the ring is rewritten in place)."""
+        bs = self._require_block_size()
+        if n_cached % bs:
+            raise ValueError(f"a cached prefix covers whole blocks: {n_cached} is not a multiple of {bs}")
+        out = {}
+        for name, m, r in zip(self.cache_names(), self.cache_position_modulo(), self.tokens_per_entry()):
+            if m:
+                out[name] = {"share": 0, "copy": list(range(m // bs))}
+            else:
+                entries = n_cached // r
+                out[name] = {"share": entries // bs, "copy": [entries // bs] if entries % bs else []}
+        return out
 
     def _caches(self) -> list[dict]:
         return paged_caches(self.config)

@@ -285,14 +285,10 @@ def test_prompts_and_positions_out_of_reach_are_refused(small):
     gen, pool = small
     with pytest.raises(ValueError, match=f"max_seq_len\\) = {MAX_LEN}"):
         _prefill(gen, pool, n=MAX_LEN + 1)
-    with pytest.raises(NotImplementedError, match="prefix caching"):
-        _prefill(gen, pool, start_pos=[32])
-    with pytest.raises(NotImplementedError, match="chunked prefill"):
-        gen.max_prefill_chunk_size = 128
-        try:
-            _prefill(gen, pool, n=200)
-        finally:
-            gen.max_prefill_chunk_size = 4096
+    with pytest.raises(ValueError, match="start_pos 20 is not a multiple of the block size 32"):
+        _prefill(gen, pool, start_pos=[20])
+    with pytest.raises(ValueError, match="20 is not a multiple of 32"):
+        gen.prefix_blocks(20)
     with pytest.raises(ValueError, match=f"decode position {MAX_LEN} >= max_seq_len={MAX_LEN}"):
         _decode(gen, pool, positions=(MAX_LEN, 50))
 
