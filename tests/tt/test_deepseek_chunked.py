@@ -16,12 +16,14 @@ teacher-forced so that one jm.forward shape serves every test: test_deepseek_gen
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 import jaxmodels as jm
 from jaxmodels import model as M
-from tests.tt.test_deepseek_generator import BS, _config, _generator
+from tests.tt.test_deepseek_generator import _config, _generator
 from tt_backend.lowering import padded_prefill_len
 
 PROMPT, CUTS, NEW = 245, (0, 37, 101, 245), 4
@@ -71,7 +73,7 @@ def test_chunks_cut_anywhere_equal_jm_forward(model):
                         chunk_page_tables=None, kv_cache=kv, cache_position_modulo=gen.cache_position_modulo(),
                         owners=None)
     got = [first[None]]
-    for a, b in zip(CUTS[1:], CUTS[2:]):
+    for a, b in itertools.pairwise(CUTS[1:]):
         got.append(exe.extend(prompt[a:b], a, page_tables=tables, kv_cache=kv, ring=ring, owners=None,
                               history=np.array(prompt[:a])))
     assert [len(g) for g in got] == [1, CUTS[2] - CUTS[1], CUTS[3] - CUTS[2]]
