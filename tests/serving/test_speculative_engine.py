@@ -28,6 +28,7 @@ ENGINES = {"v4": dict(max_num_seqs=4, max_model_len=64, kv_blocks=12, block_size
                       num_speculative_tokens=3),
            "v41": dict(max_num_seqs=4, max_model_len=32, kv_blocks=200, block_size=4, max_num_batched_tokens=7,
                        num_speculative_tokens=2)}
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # tests/conftest.py: nearly all of this module is XLA
 
 
 @pytest.fixture(autouse=True)
@@ -266,6 +267,7 @@ def _mixture_drafter(monkeypatch, probs, vocab, temperature):
     monkeypatch.setattr(S, "propose", propose)
 
 
+@pytest.mark.usefixtures("optimised_compiles")
 def test_sampled_speculating_engine_has_the_target_distribution(monkeypatch):
     """V4 at k=2: 1024 requests of a one-token prompt (every token from verify steps), each with its own seed,
     sample 3 tokens with top_k=3 at temperature 1.5, their drafts drawn by the engine from a distribution near the
