@@ -7,7 +7,11 @@ V4.1-Flash layers with FP4 experts kept quantized (benchmarks/spec_bench.py --en
 2048-token step budget) stopped with CUDA_ERROR_ILLEGAL_ADDRESS in `jit_verify_step`; the prefill chunk before it
 ran. On an H200 at 4fd8f78 the same benchmark still stops so, while the gathered FP4 kernel alone over two layers'
 stack and the engine with two 64-token prompts (kernel on and off) pass: what differs is the context (512) and
-the one-chunk prefill. The "512-token prompt" cases reproduce the benchmark's run; they fail today.
+the one-chunk prefill. The "512-token prompt" cases reproduce the benchmark's run. What else differs: that
+prefill's 3072 routed rows (> 384 experts) took the grouped path, i.e. XLA's dense `lax.ragged_dot` over every FP4
+expert expanded to bf16 (a [3072, 384 x 5120] operand, 6e9 elements), where 64-token prompts (384 rows) stayed on
+the gathered one. Since a4bcc0f more than 32 experts go through `moe._windows` instead; not yet run on a GPU
+(benchmarks/ragged_dot_probe.py checks ragged_dot at that size alone).
 """
 import sys
 from pathlib import Path
