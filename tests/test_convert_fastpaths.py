@@ -244,6 +244,14 @@ def test_a_deepseek_import_transposes_into_its_leaves_too(tmp_path, monkeypatch,
     monkeypatch.setattr(hf, "transpose", lambda x, dt, out=None: into.append(out is not None) or real(x, dt, out))
     _, direct, _ = converters.read_source(tmp_path / "src", "float32", progress=False, keep_quantized=keep_quantized)
     assert into.count(True) > 0 and "mtp" in direct
+    into.clear()
+    from converters import deepseek
+    from converters.safetensors_io import SafetensorsReader
+
+    deepseek.import_mtp(SafetensorsReader(tmp_path / "src"), converters.open_source(tmp_path / "src")[0],
+                        keep_quantized=keep_quantized)
+    # (kept quantized, the blocks' stacked weights stay bytes: nothing of theirs is transposed)
+    assert into.count(True) > 0 or keep_quantized, "the MTP blocks' transposed tensors go into their slots too"
     monkeypatch.setattr(hf, "transpose", real)
     cfg, reader, fam, tok = converters.open_source(tmp_path / "src")
     copied = hf.assemble(converters.source_items(cfg, reader, fam, tok, "float32", keep_quantized)())

@@ -36,7 +36,7 @@ def loop_runs(monkeypatch):
 # take the gathered path)
 CASES = [
     (8, 2, "softmax_topk", True, False, False, "silu", 0, 13),
-    (4, 4, "topk_softmax", False, True, True, "swiglu_clamp", 0, 33),   # every expert has 33 rows: 3 windows each
+    (4, 4, "topk_softmax", False, True, True, "swiglu_clamp", 0, 33),   # every expert has all 33 tokens
     (16, 1, "softmax_topk", False, True, False, "silu", 8, 17),          # some experts empty
     (8, 2, "topk_softmax", False, False, True, "swiglu_clamp", 8, 5),
 ]
@@ -89,6 +89,44 @@ def test_quantized_experts_decoded_one_at_a_time(windowed, fmt):
     expanded = p | {k: jnp.swapaxes(qdq.dequant(v, jnp.float32), -1, -2) for k, v in q.items()}
     yd = moe.dense(spec, expanded, x)
     np.testing.assert_allclose(np.asarray(ys), np.asarray(yd), atol=ATOL * np.abs(np.asarray(yd)).max(), rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_quantized_experts_read_from_the_stack(windowed, fmt):
+    """Kept quantized and given every layer's stack ([L, E, ...] bytes and scales), the loop decodes this layer's
+    experts from it: equal to the same layer's own quantized experts."""
+    E, D, I = 6, 64, 32
+    spec = spec_of(E, 2, "softmax_topk", True, I=I)
+    p = make_params(spec, 21, d=D)
+    rng = np.random.default_rng(22)
+    make = fp4_experts if fmt == "fp4" else functools.partial(fp8_experts, block=32)
+    layers = [{"w_gate": make(rng, E, I, D), "w_up": make(rng, E, I, D), "w_down": make(rng, E, D, I)}
+              for _ in range(3)]
+    stack = (jax.tree.map(lambda *a: jnp.stack(a), *layers), jnp.int32(2))
+    x = make_x(19, 23, d=D)
+    f = jax.jit(lambda q, x, s: moe.sparse(spec, p | q, x, stack=s), compiler_options=FAST)
+    got = f(layers[0], x, stack)  # p holds layer 0's experts: the stack's layer 2 must be read instead
+    want = f(layers[2], x, None)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.abs(np.asarray(want) - np.asarray(f(layers[0], x, None))).max() > 1e-3
+
+
+def test_tensor_parallel_windows():
+    """Experts' widths split over `tensor` of a data=2 x tensor=4 mesh (as the "tp" rules place them), 40 experts
+    through the loop, partitioned by XLA: equal to dense on one device."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxmodels import sharding
+
+    spec = spec_of(40, 2, "softmax_topk", True, bias=True, shared=8, I=32)
+    p, x = make_params(spec, 24), make_x(37, 25)
+    mesh = sharding.make_mesh("data=2,tensor=4")
+    split = {"w_gate": P(None, None, "tensor"), "w_up": P(None, None, "tensor"), "w_down": P(None, "tensor", None)}
+    placed = {k: jax.device_put(v, NamedSharding(mesh, split[k])) if k in split else v for k, v in p.items()}
+    assert len(placed["w_gate"].sharding.device_set) == 8
+    ys = jax.jit(lambda p, x: moe.sparse(spec, p, x, shard=sharding.Sharding.of(mesh, "tp")),
+                 compiler_options=FAST)(placed, x)
+    np.testing.assert_allclose(np.asarray(ys), np.asarray(moe.dense(spec, p, x)), atol=ATOL, rtol=0)
 
 
 def test_a_layer_read_in_place_from_the_stack(windowed):

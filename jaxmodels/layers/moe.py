@@ -138,7 +138,8 @@ def _windows(spec, p, x, sizes, stack=None):
     """Rows sorted by expert (x [M, D], group sizes [E], sum <= M) through their experts, a window of W rows of
     one expert a step: E + M / W steps, each reading one expert's matrices (decoding just that expert if kept
     quantized; with `stack`, in place in every layer's stack) and W rows from its group's start. Rows past the
-    groups come out zero, as `lax.ragged_dot` gives them. Memory is O(M + one expert), work ~ routed rows."""
+    groups come out zero, as `lax.ragged_dot` gives them. Memory is O(M + one expert), work ~ routed rows; the
+    static step count keeps the loop free of host syncs, so the steps past the last window compute on nothing. On a tensor-parallel mesh each step ends in its own all-reduce of [W, D] (not measured)."""
     M, D = x.shape
     E = sizes.shape[0]
     W = _window(M, E)
@@ -154,18 +155,20 @@ def _windows(spec, p, x, sizes, stack=None):
             w = jax.tree.map(lambda v: v[stack[1], e], stack[0][name])
         return qdq.dequant(w, x.dtype).T if isinstance(w, dict) else w  # [in, out]
 
-    def step(j, out):
-        e = jnp.minimum(jnp.searchsorted(first, j, side="right") - 1, E - 1)
-        piece = j - first[e]
-        start = starts[e] + piece * W
-        valid = jnp.arange(W) < sizes[e] - piece * W  # none, past the expert's last window
-        xw = jax.lax.dynamic_slice_in_dim(padded, start, W)
+    @jax.checkpoint  # the backward recomputes a step's weights: saved, they would come to steps (> E) experts
+    def mlp_of(xw, e):
         g, u = xw @ expert("w_gate", e), xw @ expert("w_up", e)
         if spec.bias:
             g, u = g + p["b_gate"][e], u + p["b_up"][e]
         y = mlp.activate(spec, g, u) @ expert("w_down", e)
-        if spec.bias:
-            y = y + p["b_down"][e]
+        return y + p["b_down"][e] if spec.bias else y
+
+    def step(j, out):
+        e = jnp.minimum(jnp.sum(first <= j) - 1, E - 1)  # the last expert starting at or before step j
+        piece = j - first[e]
+        start = starts[e] + piece * W
+        valid = jnp.arange(W) < sizes[e] - piece * W  # none, past the expert's last window
+        y = mlp_of(jax.lax.dynamic_slice_in_dim(padded, start, W), e)
         kept = jax.lax.dynamic_slice_in_dim(out, start, W)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None], y.astype(out.dtype), kept), start, 0)
 

@@ -257,7 +257,9 @@ def test_v4_indexer_selecting_matches_transformers_past_4096(tmp_path, monkeypat
     ids = np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 4160))
     ref, ties, near = _hf_logits(hf, ids, grid)
     assert ties > 0
+    _jit_forward.cache_clear()  # traced with the floored scores: no other test may share this compile either way
     out = np.asarray(_jit_forward(cfg)(params, jnp.asarray(ids, jnp.int32)))
+    _jit_forward.cache_clear()
     _close(out[:, 4000:], ref[:, 4000:], near)
 
 
