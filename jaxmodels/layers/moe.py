@@ -139,7 +139,8 @@ def _windows(spec, p, x, sizes, stack=None):
     one expert a step: E + M / W steps, each reading one expert's matrices (decoding just that expert if kept
     quantized; with `stack`, in place in every layer's stack) and W rows from its group's start. Rows past the
     groups come out zero, as `lax.ragged_dot` gives them. Memory is O(M + one expert), work ~ routed rows; the
-    static step count keeps the loop free of host syncs, so the steps past the last window compute on nothing. On a tensor-parallel mesh each step ends in its own all-reduce of [W, D] (not measured)."""
+    static step count keeps the loop free of host syncs, so the steps past the last window compute on nothing.
+    On a tensor-parallel mesh each step ends in its own all-reduce of [W, D] (not measured)."""
     M, D = x.shape
     E = sizes.shape[0]
     W = _window(M, E)
