@@ -186,8 +186,8 @@ def mtp_items(reader, cfg, dtype: str = "float32", keep_quantized: bool = False,
     mtp = _Only(reader, "mtp.")
     if specs := _mtp_specs(mtp, cfg):
         yield from stream(QuantReader(mtp, keep_quantized), cfg, fam.MTP_NAMES, dtype, fam.MTP_SKIP, done=done,
-                          bar=bar, into=into, renames=fam.RENAMES, specs=specs, layer=lambda i: (f"mtp/{i}/", ()), what="MTP ",
-                          hint=" (load without MTP to skip them)")
+                          bar=bar, into=into, renames=fam.RENAMES, specs=specs, layer=lambda i: (f"mtp/{i}/", ()),
+                          what="MTP ", hint=" (load without MTP to skip them)")
 
 
 def _mtp_specs(mtp, cfg) -> dict:

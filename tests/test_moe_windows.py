@@ -157,7 +157,8 @@ def test_gradients_through_the_windows(windowed):
 
     @functools.partial(jax.jit, compiler_options=FAST)
     def grads(p, x):
-        return [jax.grad(lambda p, x: jnp.sum(f(spec, p, x) * r), argnums=(0, 1))(p, x) for f in (moe.sparse, moe.dense)]
+        return [jax.grad(lambda p, x: jnp.sum(f(spec, p, x) * r), argnums=(0, 1))(p, x)
+                for f in (moe.sparse, moe.dense)]
 
     gs, gd = grads(p, x)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(gs), jax.tree.leaves(gd)):
