@@ -444,7 +444,10 @@ class DeepSeekVLLMExecutor:
         before = [] if history is None else [int(x) for x in np.asarray(history).reshape(-1) if x >= 0]
         rows = self.EXTEND_ROWS
         if ring:
-            rows = min(rows, ring - max(s.attention.window for s in self.config.layers) + 1)
+            window = max(s.attention.window for s in self.config.layers)
+            if ring < window:
+                raise ValueError(f"a window ring of {ring} tokens cannot hold the window of {window}")
+            rows = min(rows, ring - window + 1)
         if start + len(ids) > self.emu.max_seq_len:
             raise ValueError(f"positions up to {start + len(ids) - 1} >= max_seq_len={self.emu.max_seq_len}")
         prog = self.emu.programs(1, rows, ring, per_cache=True).decode
