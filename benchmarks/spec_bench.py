@@ -67,6 +67,15 @@ def break_even(ratio: float, k: int) -> float | None:
     return (lo + hi) / 2
 
 
+TRACE = False  # --trace: a line (blocking on the device) after each stage and step, to place a device fault
+
+
+def trace(what, *arrays):
+    if TRACE:
+        jax.block_until_ready(arrays)
+        log(f"  [trace] {what}" + "".join(f" {np.asarray(a).ravel()[:4].tolist()}" for a in arrays))
+
+
 def measure(cfg, params, B: int, context: int, k: int, reps: int, greedy: bool) -> dict:
     rng = np.random.default_rng(0)
     max_len = context + 8 * (k + 1) * (reps + 4)
@@ -102,6 +111,7 @@ def measure(cfg, params, B: int, context: int, k: int, reps: int, greedy: bool) 
                     compiler_options=M.COMPILER_OPTIONS)
 
     first, cache, dcache, dstate = start(params, tokens, lengths)
+    trace("prefill + drafter observe: first token", first)
     pcache = jax.tree.map(jnp.copy, cache)
     state = {"tok": first, "pos": lengths, "cache": cache, "dcache": dcache, "dstate": dstate}
     pstate = {"tok": first, "pos": lengths, "cache": pcache}
@@ -111,11 +121,13 @@ def measure(cfg, params, B: int, context: int, k: int, reps: int, greedy: bool) 
         out = spec(params, state["tok"], state["pos"], state["cache"], state["dcache"], state["dstate"], key)
         state.update(zip(("tok", "pos", "cache", "dcache", "dstate"), out))
         jax.block_until_ready(state["tok"])
+        trace("spec step: next positions", state["pos"])
 
     def run_plain():
         logits, pstate["cache"] = plain(params, pstate["tok"], pstate["pos"], pstate["cache"])
         pstate["pos"] = pstate["pos"] + 1
         jax.block_until_ready(logits)
+        trace("plain step: next positions", pstate["pos"])
 
     for fn in (run_spec, run_plain):  # compile and warm
         fn()
@@ -138,6 +150,11 @@ def measure_engine(cfg, params, B: int, context: int, k: int, reps: int) -> dict
     prompts = [rng.integers(3, cfg.vocab_size, context).tolist() for _ in range(B)]
     max_len = context + (reps + 16) * (k + 1) + 16
     out = {"batch": B, "context": context, "k": k}
+    def step(engine):
+        engine.step()
+        trace(f"engine step {engine.steps}: computed " + str([(r.computed, len(r.tokens))
+                                                            for r in list(engine.requests.values())[:2]]))
+
     for name, kk in (("spec", k), ("plain", 0)):
         engine = Engine(model, EngineConfig(max_num_seqs=B, max_model_len=max_len, block_size=16,
                                             kv_blocks=B * 3 * (max_len // 16 + 16), max_num_batched_tokens=2048,
@@ -146,10 +163,10 @@ def measure_engine(cfg, params, B: int, context: int, k: int, reps: int) -> dict
             engine.add(str(i), p, SamplingParams(temperature=0, max_tokens=max_len - context, ignore_eos=True))
         t0 = time.perf_counter()
         while any(r.computed < len(r.prompt) for r in engine.requests.values()) or engine.steps < 4:
-            engine.step()  # prefill (chunks), then a few decode steps: every shape compiled
+            step(engine)  # prefill (chunks), then a few decode steps: every shape compiled
         out[f"{name}_warm_s"] = time.perf_counter() - t0
         emitted = engine.counters["generation_tokens"]
-        t, _ = median_time(engine.step, reps)
+        t, _ = median_time(lambda: step(engine), reps)
         out[f"{name}_ms"] = 1e3 * t
         out[f"{name}_tokens_per_step"] = (engine.counters["generation_tokens"] - emitted) / reps / B
         while engine.has_work():  # the rest, untimed (frees the device memory of this engine's pool)
@@ -174,7 +191,10 @@ def main():
     ap.add_argument("--out", default=None, help="write the rows as JSON")
     ap.add_argument("--engine", action="store_true", help="time the serving engine's steps (see the docstring)")
     ap.add_argument("--no-gathered", action="store_true", help="MoE decode through XLA's gather, not the kernel")
+    ap.add_argument("--trace", action="store_true", help="log each stage and step (timings then include the logging)")
     args = ap.parse_args()
+    global TRACE
+    TRACE = args.trace
     if args.no_gathered:
         from jaxmodels.layers import gathered
 
