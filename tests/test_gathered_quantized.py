@@ -124,6 +124,18 @@ def test_widths_the_kernel_does_not_tile_go_through_the_reference(fmt, N, K):
     check(x, w, ids)
 
 
+def test_the_kernel_can_be_switched_off(monkeypatch):
+    """On a GPU backend the kernel takes tiled half-precision calls, unless JAXMODELS_GATHERED_KERNEL=0."""
+    rng = np.random.default_rng(7)
+    w, x = fp4_experts(rng, 3, 32, 64), jnp.zeros((2, 64), BF16)
+    monkeypatch.setattr(gathered.jax, "default_backend", lambda: "gpu")
+    assert gathered.fits(x, w)
+    monkeypatch.setenv("JAXMODELS_GATHERED_KERNEL", "0")
+    assert not gathered.fits(x, w)
+    monkeypatch.setenv("JAXMODELS_GATHERED_KERNEL", "1")
+    assert gathered.fits(x, w)
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_gradient_is_the_references(fmt):
     """d/dx through the kernel equals d/dx of dequant-then-matmul; the bytes get no cotangent."""

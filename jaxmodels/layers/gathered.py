@@ -18,6 +18,7 @@ chosen experts, then the same einsum. H200, GPT-OSS-20B widths, one 2880 x 2880 
 bandwidth, bound it (~0.5 TB/s of quantized bytes).
 """
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +41,13 @@ def _tiles(x, w) -> bool:
 
 def fits(x, w) -> bool:
     """Whether the kernel runs: on the GPU, half-precision activations (of the weights' dtype unless they are kept
-    quantized), widths it tiles."""
+    quantized), widths it tiles, and not switched off: JAXMODELS_GATHERED_KERNEL=0 (read when a program is traced)
+    takes XLA's gather instead. The escape hatch exists for an open fault: a speculating DeepSeek V4.1-Flash run
+    with FP4 experts faulted (illegal address) in its verify pass with the kernel on and ran with it off (issue #13,
+    BENCHMARKS.md "Speculative decoding on the GPU")."""
     same = isinstance(w, dict) or x.dtype == w.dtype
-    return jax.default_backend() == "gpu" and same and x.dtype in HALF and _tiles(x, w)
+    on = os.environ.get("JAXMODELS_GATHERED_KERNEL", "1") != "0"
+    return on and jax.default_backend() == "gpu" and same and x.dtype in HALF and _tiles(x, w)
 
 
 def reference(x, w, ids):
