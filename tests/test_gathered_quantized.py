@@ -136,6 +136,41 @@ def test_the_kernel_can_be_switched_off(monkeypatch):
     assert gathered.fits(x, w)
 
 
+FLASH_FP4 = lambda G: {"fp4": jax.ShapeDtypeStruct((G, 2304, 2560), jnp.uint8),  # noqa: E731  (V4.1-Flash gate/up)
+                        "scale": jax.ShapeDtypeStruct((G, 2304, 160), jnp.uint8)}
+
+
+@pytest.mark.parametrize("w,runs", [
+    (FLASH_FP4(364), True),  # 2.147e9 bytes: every offset < 2^31
+    (FLASH_FP4(384), False),  # one Flash layer's experts, 2.26e9 bytes: 32-bit offsets past 2^31 (issue #13)
+    (FLASH_FP4(768), True),  # two layers, past 2^32 bytes: 64-bit offsets
+    (FLASH_FP4(18 * 384) | {"scale": jax.ShapeDtypeStruct((18 * 384, 2304, 160), jnp.uint8)}, False),  # scales
+    (jax.ShapeDtypeStruct((384, 5120, 2304), jnp.bfloat16), True),  # 2-byte elements: past 2^31 means past 2^32 B
+], ids=["fp4-364", "fp4-384", "fp4-768", "scales-18-layers", "bf16-384"])
+def test_weights_the_lowering_cannot_address_take_the_reference(monkeypatch, w, runs):
+    """The kernel runs only on operands Pallas' Triton lowering addresses right (`triton.offsets_fit`)."""
+    monkeypatch.setattr(gathered.jax, "default_backend", lambda: "gpu")
+    assert gathered.fits(jax.ShapeDtypeStruct((24, 5120), BF16), w) is runs
+
+
+@pytest.mark.parametrize("G,wide", [(384, False), (768, True)])
+def test_pallas_lowering_indexes_with_32_bits_up_to_2_32_bytes(monkeypatch, G, wide):
+    """What `triton.offsets_fit` guards against, pinned on the JAX in use: the Triton IR of the FP4 kernel over one
+    Flash layer's experts (2.26e9 bytes) has no 64-bit arithmetic (its offsets wrap past 2^31: the illegal address
+    of issue #13), over two layers' (4.5e9 bytes) it does. If JAX moves its threshold, this fails: then relax
+    `offsets_fit`. Lowered for CUDA on the CPU (nothing is allocated)."""
+    from jax._src.lib.mlir import ir
+
+    texts, write = [], ir.Operation.write_bytecode
+    monkeypatch.setattr(ir.Operation, "write_bytecode", lambda op, buf, *a, **k: texts.append(str(op)) or
+                        write(op, buf, *a, **k))
+    x, ids = jax.ShapeDtypeStruct((24, 5120), BF16), jax.ShapeDtypeStruct((24,), jnp.int32)
+    jax.jit(lambda x, w, ids: gathered._quantized_call(x, w, ids, False)).trace(x, FLASH_FP4(G), ids).lower(
+        lowering_platforms=("cuda",))
+    assert len(texts) == 1 and "tt.load" in texts[0]
+    assert ("i64" in texts[0]) is wide
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_gradient_is_the_references(fmt):
     """d/dx through the kernel equals d/dx of dequant-then-matmul; the bytes get no cotangent."""

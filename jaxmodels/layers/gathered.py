@@ -41,13 +41,13 @@ def _tiles(x, w) -> bool:
 
 def fits(x, w) -> bool:
     """Whether the kernel runs: on the GPU, half-precision activations (of the weights' dtype unless they are kept
-    quantized), widths it tiles, and not switched off: JAXMODELS_GATHERED_KERNEL=0 (read when a program is traced)
-    takes XLA's gather instead. The escape hatch exists for an open fault: a speculating DeepSeek V4.1-Flash run
-    with FP4 experts faulted (illegal address) in its verify pass with the kernel on and ran with it off (issue #13,
-    BENCHMARKS.md "Speculative decoding on the GPU")."""
+    quantized), widths it tiles, weights the lowering can address (`triton.offsets_fit`: one V4.1-Flash layer's
+    FP4 bytes, 2.26e9, cannot: experts past 364 were read from outside the buffer, an illegal address or garbage,
+    issue #13), and not switched off by JAXMODELS_GATHERED_KERNEL=0 (read when a program is traced)."""
     same = isinstance(w, dict) or x.dtype == w.dtype
     on = os.environ.get("JAXMODELS_GATHERED_KERNEL", "1") != "0"
-    return on and jax.default_backend() == "gpu" and same and x.dtype in HALF and _tiles(x, w)
+    return (on and jax.default_backend() == "gpu" and same and x.dtype in HALF and _tiles(x, w)
+            and triton.offsets_fit(*jax.tree.leaves(w)))
 
 
 def reference(x, w, ids):
@@ -76,7 +76,7 @@ def _splits(rows_by_cols: int, steps: int) -> int:
 def _kernel_matmul(x, w, ids, interpret):
     if isinstance(w, dict):
         return _quantized_call(x, w, ids, interpret)
-    n, (G, K, N) = x.shape[0], w.shape
+    n, (_, K, N) = x.shape[0], w.shape
     bk = next(b for b in (64, 32, 16) if K % b == 0)
     bn = 64 if N % 64 == 0 else 32
     steps = K // bk

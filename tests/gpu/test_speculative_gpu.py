@@ -8,8 +8,10 @@ V4.1-Flash layers with FP4 experts kept quantized (benchmarks/spec_bench.py --en
 ran. The "512-token prompt" cases reproduce the benchmark's run. H100, 2026-12-07 (BENCHMARKS.md, fourth session):
 at ba459ff they **passed**, kernel on and off (the prefill's MoE through `moe._windows`), while spec_bench itself
 (generate-level and --engine) still faulted in its first speculative step with the gathered kernel on and ran with
-it off. What still differs from the benchmark: it starts with the speculating engine and builds its weights
-eagerly (another device memory layout); the "spec first" cases do both, to reproduce it here.
+it off. The cause (found on the CPU afterwards, tests/test_gathered_quantized.py): one layer's FP4 stack is 2.26e9
+bytes, which Pallas' Triton lowering indexes with 32-bit signed offsets, so experts >= 365 were read outside the
+buffer; whether that faults depends on the device memory below it (the benchmark starts with the speculating
+engine and builds its weights eagerly: the "spec first" cases do both). Such stacks now take XLA's gather.
 """
 import sys
 from pathlib import Path
