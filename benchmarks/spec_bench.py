@@ -153,8 +153,9 @@ def measure_engine(cfg, params, B: int, context: int, k: int, reps: int) -> dict
     out = {"batch": B, "context": context, "k": k}
     def step(engine):
         engine.step()
-        trace(f"engine step {engine.steps}: computed " + str([(r.computed, len(r.tokens))
-                                                            for r in list(engine.requests.values())[:2]]))
+        if TRACE:
+            trace(f"engine step {engine.steps}: computed " + str([(r.computed, len(r.tokens))
+                                                                for r in list(engine.requests.values())[:2]]))
 
     for name, kk in (("spec", k), ("plain", 0)):
         engine = Engine(model, EngineConfig(max_num_seqs=B, max_model_len=max_len, block_size=16,

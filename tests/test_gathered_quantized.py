@@ -129,6 +129,7 @@ def test_the_kernel_can_be_switched_off(monkeypatch):
     rng = np.random.default_rng(7)
     w, x = fp4_experts(rng, 3, 32, 64), jnp.zeros((2, 64), BF16)
     monkeypatch.setattr(gathered.jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("JAXMODELS_GATHERED_KERNEL", raising=False)
     assert gathered.fits(x, w)
     monkeypatch.setenv("JAXMODELS_GATHERED_KERNEL", "0")
     assert not gathered.fits(x, w)
@@ -142,7 +143,7 @@ FLASH_FP4 = lambda G: {"fp4": jax.ShapeDtypeStruct((G, 2304, 2560), jnp.uint8), 
 
 @pytest.mark.parametrize("w,runs", [
     (FLASH_FP4(364), True),  # 2.147e9 bytes: every offset < 2^31
-    (FLASH_FP4(384), False),  # one Flash layer's experts, 2.26e9 bytes: 32-bit offsets past 2^31 (issue #13)
+    (FLASH_FP4(384), False),  # one Flash layer's experts, 2.26e9 bytes: 32-bit offsets wrap (issue #13)
     (FLASH_FP4(768), True),  # two layers, past 2^32 bytes: 64-bit offsets
     (FLASH_FP4(18 * 384) | {"scale": jax.ShapeDtypeStruct((18 * 384, 2304, 160), jnp.uint8)}, False),  # scales
     (jax.ShapeDtypeStruct((384, 5120, 2304), jnp.bfloat16), True),  # 2-byte elements: past 2^31 means past 2^32 B

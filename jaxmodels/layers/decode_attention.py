@@ -70,10 +70,11 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, m_ref, l_ref, *, sl
 
 def fits(q, k) -> bool:
     """Whether the kernel runs: on the GPU, half-precision queries over a cache of their dtype (a mixed pair is
-    not what the GPU tests cover), a head width Triton tiles within shared memory."""
+    not what the GPU tests cover), a head width Triton tiles within shared memory, a cache the lowering addresses
+    (`triton.offsets_fit`; values share the keys' geometry)."""
     d = q.shape[-1]
     return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and k.buffer.dtype == q.dtype
-            and d in (16, 32, 64, 128, 256) and k.buffer.shape[-1] == d)
+            and d in (16, 32, 64, 128, 256) and k.buffer.shape[-1] == d and triton.offsets_fit(k.buffer))
 
 
 def decode(q, k, v, last, *, window: int | None, scale: float, softcap: float | None = None, sinks=None,
