@@ -42,8 +42,8 @@ def _tiles(x, w) -> bool:
 def fits(x, w) -> bool:
     """Whether the kernel runs: on the GPU, half-precision activations (of the weights' dtype unless they are kept
     quantized), widths it tiles, weights the lowering can address (`triton.offsets_fit`: one V4.1-Flash layer's
-    FP4 bytes, 2.26e9, cannot: from expert 364's last rows on they were read from outside the buffer, a fault or garbage,
-    issue #13), and not switched off by JAXMODELS_GATHERED_KERNEL=0 (read when a program is traced)."""
+    FP4 bytes, 2.26e9, cannot: from expert 364's last rows on they were read outside the buffer, a fault or
+    garbage, issue #13), and not switched off by JAXMODELS_GATHERED_KERNEL=0 (read when a program is traced)."""
     same = isinstance(w, dict) or x.dtype == w.dtype
     on = os.environ.get("JAXMODELS_GATHERED_KERNEL", "1") != "0"
     return (on and jax.default_backend() == "gpu" and same and x.dtype in HALF and _tiles(x, w)
