@@ -58,12 +58,9 @@ def _prompt(cfg, n=PROMPT, seed=1):
     return [int(t) for t in np.random.default_rng(seed).integers(3, cfg.vocab_size, n)]
 
 
-def test_chunks_cut_anywhere_equal_jm_forward(model):
-    """Chunks [0, 37) (prefill program), [37, 101) and [101, 245) (extend): the logits of every position equal
-    jm.forward on the whole prompt."""
-    prompt = _prompt(model.config)
-    ref = _reference(model, [prompt])[0]
-    gen, pool = _generator(model, "exact")
+def cut_run(gen, pool, prompt):
+    """Request a's prompt in the chunks CUTS (the first through the prefill program, the rest through extend) ->
+    the logits each returned: [1, V] (the first chunk's last token), then [chunk length, V] per extend."""
     pool.add("a", PROMPT)
     exe, tables, kv = gen.model[0], [t[:1] for t in pool.tables(["a"]).values()], pool.kv[0]
     ring = exe._ring(gen.cache_position_modulo())
@@ -76,6 +73,15 @@ def test_chunks_cut_anywhere_equal_jm_forward(model):
     for a, b in itertools.pairwise(CUTS[1:]):
         got.append(exe.extend(prompt[a:b], a, page_tables=tables, kv_cache=kv, ring=ring, owners=None,
                               history=np.array(prompt[:a])))
+    return got
+
+
+def test_chunks_cut_anywhere_equal_jm_forward(model):
+    """Chunks [0, 37) (prefill program), [37, 101) and [101, 245) (extend): the logits of every position equal
+    jm.forward on the whole prompt."""
+    prompt = _prompt(model.config)
+    ref = _reference(model, [prompt])[0]
+    got = cut_run(*_generator(model, "exact"), prompt)
     assert [len(g) for g in got] == [1, CUTS[2] - CUTS[1], CUTS[3] - CUTS[2]]
     np.testing.assert_allclose(np.concatenate(got), ref[CUTS[1] - 1:], rtol=1e-4, atol=1e-4)
 
@@ -113,6 +119,24 @@ def test_generator_chunked_prefill(model):
     _check_greedy(model, prompt, [int(np.argmax(last))] + new[0], [last] + logits[0])
 
 
+def share_prefix(gen, pool, P):
+    """Give request b request a's first P positions as a forking caller would (`prefix_blocks`): a's blocks named in
+    b's tables where they are shared, private copies where they are not -> (the plan, {cache: its buffer}, the
+    shared (cache, block) pairs, how many blocks were copied)."""
+    plan = gen.prefix_blocks(P)
+    buffers = {n: kv[0] for n, kv in zip(gen.cache_names(), pool.kv[0])}
+    shared, copied = [], 0
+    for name, rule in plan.items():
+        a_rows, b_rows = pool.rows["a"][name], pool.rows["b"][name]
+        for col in rule["copy"]:  # a private copy of a's block in b's own block
+            buffers[name][b_rows[col]] = buffers[name][a_rows[col]]
+            copied += 1
+        for col in range(rule["share"]):  # b's table names a's block
+            b_rows[col] = a_rows[col]
+            shared.append((name, a_rows[col]))
+    return plan, buffers, shared, copied
+
+
 def test_prefix_shared_with_another_request(model):
     """Request b continues request a's 96-token prefix (start_pos=96) over a's shared blocks and copies of its ring
     and partial entry blocks: b's logits and greedy tokens are jm.forward's on b's whole prompt, a's shared blocks are
@@ -127,17 +151,7 @@ def test_prefix_shared_with_another_request(model):
     gen.track_block_ownership([pool.alloc], reqs)
     la = gen.prefill_forward(np.array([prefix], np.int32), kv_cache=pool.kv, prompt_lens=[P],
                              page_tables_per_layer={k: t[:1] for k, t in pool.tables(["a"]).items()})[0, 0]
-    plan = gen.prefix_blocks(P)
-    buffers = {n: kv[0] for n, kv in zip(gen.cache_names(), pool.kv[0])}
-    shared, copied = [], 0
-    for name, rule in plan.items():
-        a_rows, b_rows = pool.rows["a"][name], pool.rows["b"][name]
-        for col in rule["copy"]:  # a private copy of a's block in b's own block
-            buffers[name][b_rows[col]] = buffers[name][a_rows[col]]
-            copied += 1
-        for col in range(rule["share"]):  # b's table names a's block
-            b_rows[col] = a_rows[col]
-            shared.append((name, a_rows[col]))
+    plan, buffers, shared, copied = share_prefix(gen, pool, P)
     assert shared and copied  # both kinds occur: token-indexed state and complete entry blocks / ring, partials
     kinds = {n.split(".self_attn")[1] for n, _ in shared}
     assert ".compressor.state.a" in kinds and not any(plan[n]["share"] for n in gen.cache_names() if n.endswith(

@@ -30,16 +30,13 @@ median 0.02 (V4) / 0.04 (V4.1) apart, no more than 0.11, while the TT logits' er
 """
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 import jaxmodels as jm
 from jaxmodels import model as M
-from tests.tt.test_deepseek_chunked import CUTS, NEW, PROMPT, _prompt
+from tests.tt.test_deepseek_chunked import CUTS, NEW, _prompt, cut_run, share_prefix
 from tests.tt.test_deepseek_generator import _config, _generator, _pcc, _record
-from tt_backend.lowering import padded_prefill_len
 
 P, B_NEW = 96, 100  # the prefix a shares with b, and b's own prompt tokens after it
 
@@ -47,21 +44,9 @@ P, B_NEW = 96, 100  # the prefix a shares with b, and b's own prompt tokens afte
 def _chunked(model, numerics, pin=None):
     """test_chunks_cut_anywhere_equal_jm_forward's run: (recorded calls, real-row masks, logits extend and the first
     chunk returned, from position CUTS[1] - 1 on)."""
-    prompt = _prompt(model.config)
     gen, pool = _generator(model, numerics)
     calls, rows = _record(gen, pin), _real_rows(gen)
-    pool.add("a", PROMPT)
-    exe, tables, kv = gen.model[0], [t[:1] for t in pool.tables(["a"]).values()], pool.kv[0]
-    ring = exe._ring(gen.cache_position_modulo())
-    ids = np.zeros((1, padded_prefill_len(CUTS[1])), np.int32)
-    ids[0, :CUTS[1]] = prompt[:CUTS[1]]
-    got = [exe.prefill(ids, chunk_start=0, last_token_idx=CUTS[1] - 1, valid_seq_len=CUTS[1], page_tables=tables,
-                       chunk_page_tables=None, kv_cache=kv, cache_position_modulo=gen.cache_position_modulo(),
-                       owners=None)[None]]
-    for a, b in itertools.pairwise(CUTS[1:]):
-        got.append(exe.extend(prompt[a:b], a, page_tables=tables, kv_cache=kv, ring=ring, owners=None,
-                              history=np.array(prompt[:a])))
-    return calls, rows, np.concatenate(got)
+    return calls, rows, np.concatenate(cut_run(gen, pool, _prompt(model.config)))
 
 
 def _prefix(model, numerics, pin=None, forced=None):
@@ -77,14 +62,7 @@ def _prefix(model, numerics, pin=None, forced=None):
     gen.track_block_ownership([pool.alloc], reqs)
     la = gen.prefill_forward(np.array([prefix], np.int32), kv_cache=pool.kv, prompt_lens=[P],
                              page_tables_per_layer={k: t[:1] for k, t in pool.tables(["a"]).items()})[0, 0]
-    buffers, shared = {n: kv[0] for n, kv in zip(gen.cache_names(), pool.kv[0])}, []
-    for name, rule in gen.prefix_blocks(P).items():
-        a_rows, b_rows = pool.rows["a"][name], pool.rows["b"][name]
-        for col in rule["copy"]:
-            buffers[name][b_rows[col]] = buffers[name][a_rows[col]]
-        for col in range(rule["share"]):
-            b_rows[col] = a_rows[col]
-            shared.append((name, a_rows[col]))
+    _, buffers, shared, _ = share_prefix(gen, pool, P)
     before = {(n, blk): buffers[n][blk].copy() for n, blk in shared}
     lb = gen.prefill_forward(np.array([b_prompt], np.int32), kv_cache=pool.kv, prompt_lens=[len(b_prompt)],
                              empty_slots=[1], start_pos=[P],
