@@ -4,6 +4,8 @@ einsum in fp32. Codes and scale bytes are random over their whole range, so ever
 E8M0 scales meet; rows repeat experts and leave some unused; shapes with one scale block, an odd number of them,
 column blocks of 16, K split over several programs; every layer's stack indexed by its rank (through
 `moe.sparse`, the way the model calls it). The GPU test at the end runs the compiled kernel (skipped elsewhere)."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,34 +144,69 @@ FLASH_FP4 = lambda G: {"fp4": jax.ShapeDtypeStruct((G, 2304, 2560), jnp.uint8), 
 
 
 @pytest.mark.parametrize("w,runs", [
-    (FLASH_FP4(364), True),  # 2.147e9 bytes: every offset < 2^31
-    (FLASH_FP4(384), False),  # one Flash layer's experts, 2.26e9 bytes: 32-bit offsets wrap (issue #13)
-    (FLASH_FP4(768), True),  # two layers, past 2^32 bytes: 64-bit offsets
-    (FLASH_FP4(18 * 384) | {"scale": jax.ShapeDtypeStruct((18 * 384, 2304, 160), jnp.uint8)}, False),  # scales
+    (FLASH_FP4(384), True),  # one Flash layer's experts, 2.26e9 bytes: as words, 5.7e8 offsets (issue #13)
+    (FLASH_FP4(768), True),  # two layers
+    (FLASH_FP4(15 * 384), True),  # the largest kind of V4.1-Flash's plan: its scales, 2.12e9 bytes, just fit
+    (FLASH_FP4(18 * 384), False),  # 18 layers' scales: 2.5e9 bytes, 32-bit offsets wrap
+    ({"fp8": jax.ShapeDtypeStruct((256, 2048, 5120), jnp.uint8),  # FP8 bytes, 2.7e9: they wrap too
+      "scale": jax.ShapeDtypeStruct((256, 16, 40), jnp.uint8)}, False),
+    ({"fp8": jax.ShapeDtypeStruct((512, 2048, 5120), jnp.uint8),  # 5.4e9 bytes: 64-bit offsets
+      "scale": jax.ShapeDtypeStruct((512, 16, 40), jnp.uint8)}, True),
     (jax.ShapeDtypeStruct((384, 5120, 2304), jnp.bfloat16), True),  # 2-byte elements: past 2^31 means past 2^32 B
-], ids=["fp4-364", "fp4-384", "fp4-768", "scales-18-layers", "bf16-384"])
+], ids=["fp4-384", "fp4-768", "fp4-15-layers", "fp4-18-layers", "fp8-256", "fp8-512", "bf16-384"])
 def test_weights_the_lowering_cannot_address_take_the_reference(monkeypatch, w, runs):
     """The kernel runs only on operands Pallas' Triton lowering addresses right (`triton.offsets_fit`)."""
     monkeypatch.setattr(gathered.jax, "default_backend", lambda: "gpu")
     assert gathered.fits(jax.ShapeDtypeStruct((24, 5120), BF16), w) is runs
 
 
-@pytest.mark.parametrize("G,wide", [(384, False), (768, True)])
-def test_pallas_lowering_indexes_with_32_bits_up_to_2_32_bytes(monkeypatch, G, wide):
-    """What `triton.offsets_fit` guards against, pinned on the JAX in use: the Triton IR of the FP4 kernel over one
-    Flash layer's experts (2.26e9 bytes) has no 64-bit arithmetic (its offsets wrap past 2^31: the illegal address
-    of issue #13), over two layers' (4.5e9 bytes) it does. If JAX moves its threshold, this fails: then relax
-    `offsets_fit`. Lowered for CUDA on the CPU (nothing is allocated)."""
+def _triton_ir(monkeypatch, fn, *args) -> str:
+    """The Triton IR of the one Pallas kernel in fn, lowered for CUDA on the CPU (nothing is allocated)."""
     from jax._src.lib.mlir import ir
 
     texts, write = [], ir.Operation.write_bytecode
     monkeypatch.setattr(ir.Operation, "write_bytecode", lambda op, buf, *a, **k: texts.append(str(op)) or
                         write(op, buf, *a, **k))
-    x, ids = jax.ShapeDtypeStruct((24, 5120), BF16), jax.ShapeDtypeStruct((24,), jnp.int32)
-    jax.jit(lambda x, w, ids: gathered._quantized_call(x, w, ids, False)).trace(x, FLASH_FP4(G), ids).lower(
-        lowering_platforms=("cuda",))
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert len(texts) == 1 and "tt.load" in texts[0]
-    assert ("i64" in texts[0]) is wide
+    return texts[0]
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    ((384, 2304, 2560), jnp.uint8),  # 2.26e9 elements and bytes: 32-bit offsets, which wrap
+    ((768, 2304, 2560), jnp.uint8),  # 4.5e9 bytes: 64-bit
+    ((384, 2304, 640), jnp.int32),  # the same bytes as words: 5.7e8 offsets, 32-bit and right
+    ((384, 5120, 2304), jnp.bfloat16),  # 4.5e9 elements, 9.1e9 bytes: 64-bit
+])
+def test_offsets_fit_is_the_pallas_lowering_rule(monkeypatch, shape, dtype):
+    """What `triton.offsets_fit` stands for, pinned on the JAX in use: a kernel reading one element of an operand
+    lowers with 64-bit offsets, or its 32-bit offsets cover the operand (< 2^31 elements), exactly where
+    offsets_fit says so; the 2.26e9-byte case is the illegal address of issue #13. If JAX changes its threshold,
+    this fails: then revise `offsets_fit`."""
+    from jax.experimental import pallas as pl
+
+    from jaxmodels.layers import triton
+
+    w, i = jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def kernel(w_ref, i_ref, o_ref):
+        o_ref[...] = w_ref[i_ref[0], pl.ds(0, 16), pl.ds(0, 16)].astype(F32)
+
+    text = _triton_ir(monkeypatch, lambda w, i: pl.pallas_call(
+        kernel, in_specs=[triton.whole(w), triton.whole(i)], out_shape=jax.ShapeDtypeStruct((16, 16), F32),
+        name="probe", **triton.params())(w, i), w, i)
+    wide, count = "i64" in text, math.prod(shape)
+    assert (wide or count <= 2 ** 31) is triton.offsets_fit(w)
+    assert wide is (count * jnp.dtype(dtype).itemsize > 2 ** 32)  # JAX's threshold, 2^32 bytes
+
+
+def test_fp4_kernel_over_one_flash_layer_indexes_words(monkeypatch):
+    """The FP4 kernel over one Flash layer's experts (2.26e9 bytes, issue #13's stack) reads 32-bit words: its IR
+    loads i32, not i8, and its offsets are 32-bit, which cover the words' 5.7e8 elements."""
+    x, ids = jax.ShapeDtypeStruct((24, 5120), BF16), jax.ShapeDtypeStruct((24,), jnp.int32)
+    text = _triton_ir(monkeypatch, lambda x, w, ids: gathered._quantized_call(x, w, ids, False), x, FLASH_FP4(384),
+                      ids)
+    assert "i64" not in text and "tensor<64x2x4xi32>" in text and "xi8>" in text  # words, and the scale bytes
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])

@@ -9,8 +9,8 @@ the layer), since XLA copies a scanned layer's slice of the stack before a Trito
 step when it was given the slice). The XLA gather + einsum is the reference, run everywhere the kernel does not.
 
 Experts kept quantized ({"fp4": packed e2m1 [G, N, K/2], "scale": E8M0 [G, N, K/32]}, the [out, in] layout of
-`qdq.dequant_fp4`, also GPT-OSS's MXFP4; or {"fp8": e4m3 [G, N, K], "scale": E8M0 [G, N/B, K/B]}) are read as
-stored: the kernel decodes each block of the chosen slab in registers (e2m1 codes and E8M0 bytes bit for bit as
+`qdq.dequant_fp4`, also GPT-OSS's MXFP4, read as 32-bit words of 8 codes; or {"fp8": e4m3 [G, N, K], "scale":
+E8M0 [G, N/B, K/B]}) are read as stored: the kernel decodes each block of the chosen slab in registers (e2m1 codes and E8M0 bytes bit for bit as
 `qdq`), so a step reads the quantized bytes only (FP4: ~0.28 of bf16). Their reference is `qdq.dequant` of the
 chosen experts, then the same einsum. H200, GPT-OSS-20B widths, one 2880 x 2880 matrix over 24 layers' stack
 (development timing, not the probe): B=1 0.033 ms (bf16 kernel 0.028, XLA dequant path 0.035), B=8 0.160 ms
@@ -41,13 +41,29 @@ def _tiles(x, w) -> bool:
 
 def fits(x, w) -> bool:
     """Whether the kernel runs: on the GPU, half-precision activations (of the weights' dtype unless they are kept
-    quantized), widths it tiles, weights the lowering can address (`triton.offsets_fit`: one V4.1-Flash layer's
-    FP4 bytes, 2.26e9, cannot: from expert 364's last rows on they were read outside the buffer, a fault or
-    garbage, issue #13), and not switched off by JAXMODELS_GATHERED_KERNEL=0 (read when a program is traced)."""
+    quantized), widths it tiles, operands the lowering can address (`triton.offsets_fit`: read as bytes, one
+    V4.1-Flash layer's FP4 experts, 2.26e9, could not: from expert 364's last rows on they were read outside the
+    buffer, issue #13; FP4 is read as words since, FP8 bytes and E8M0 scales are still checked), and not switched
+    off by JAXMODELS_GATHERED_KERNEL=0 (read when a program is traced)."""
     same = isinstance(w, dict) or x.dtype == w.dtype
     on = os.environ.get("JAXMODELS_GATHERED_KERNEL", "1") != "0"
     return (on and jax.default_backend() == "gpu" and same and x.dtype in HALF and _tiles(x, w)
-            and triton.offsets_fit(*jax.tree.leaves(w)))
+            and triton.offsets_fit(*jax.tree.leaves(_addressed(w))))
+
+
+def _addressed(w):
+    """The weight operands' shapes as the kernel receives them: FP4 bytes as 32-bit words (`_words`)."""
+    if not (isinstance(w, dict) and "fp4" in w):
+        return w
+    *lead, half = w["fp4"].shape
+    return {**w, "fp4": jax.ShapeDtypeStruct((*lead, half // 4), jnp.int32)}
+
+
+def _words(b):
+    """Packed FP4 bytes [G, N, K/2] viewed as int32 words [G, N, K/8] (little-endian: nibble q of word p is
+    element 8p + q of the row). A word's offset is a quarter of its byte's, so Pallas' 32-bit offsets reach 8 GiB
+    of a stack, not 2 (one V4.1-Flash layer's experts are 2.26e9 bytes)."""
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], -1, 4), jnp.int32)
 
 
 def reference(x, w, ids):
@@ -138,8 +154,9 @@ def _quantized_call(x, w, ids, interpret):
         sub = 3 if (blocks // g) % 3 == 0 else 1
         steps, bn = blocks // (g * sub), next(b for b in (64, 32, 16) if N % b == 0)
         kernel = functools.partial(_fp4_kernel, sub=sub, g=g)
-        view = lambda a: a.reshape(*a.shape[:-1], blocks, FP4_BLOCK // 2)  # noqa: E731
-        operands = (view(x[:, 0::2]), view(x[:, 1::2]), view(w["fp4"]), w["scale"])
+        words = _words(w["fp4"]).reshape(*w["fp4"].shape[:2], blocks, 4)  # a scale block: 4 words
+        xq = jnp.moveaxis(x.reshape(n, blocks, 4, 8), -1, 0)  # [8, n, blocks, 4]: the elements of nibble q
+        operands = (xq, words, w["scale"])
     else:  # a step: bk values inside one scale block; columns bn inside one scale block
         B = _fp8_block(w)
         K, bk = w["fp8"].shape[2], min(64, B)
@@ -169,25 +186,26 @@ def e2m1_bits(c):
     return jax.lax.bitcast_convert_type((field << 22) | ((c & 8) << 28), F32)
 
 
-def _fp4_kernel(xe_ref, xo_ref, w_ref, s_ref, ids_ref, o_ref, *, steps: int, bn: int, sub: int, g: int):
-    """Row i, columns j*bn .. of its expert's packed matrix, viewed [N, K/32, 16] (a scale block of 16 bytes a
-    row), over split s of the contraction: a load is g scale blocks of bn columns ([bn, g, 16], 16 g bytes contiguous
-    a column) and their scales [bn, g]; the values decoded (e2m1 from the bits), times their scale (the weights
-    exactly as dequantised: 6 * 2^127 is inf there too), times x, summed in fp32; sub loads a loop step."""
+def _fp4_kernel(x_ref, w_ref, s_ref, ids_ref, o_ref, *, steps: int, bn: int, sub: int, g: int):
+    """Row i, columns j*bn .. of its expert's packed matrix, viewed [N, K/32, 4] words (a scale block of 4 words a
+    row), over split s of the contraction: a load is g scale blocks of bn columns ([bn, g, 4], 16 g bytes contiguous
+    a column) and their scales [bn, g]; each of a word's 8 nibbles decoded (e2m1 from the bits), times its scale
+    (the weights exactly as dequantised: 6 * 2^127 is inf there too), times its x, summed in fp32; sub loads a
+    loop step."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e, cols = ids_ref[i], pl.ds(j * bn, bn)
 
     def body(t, acc):
         for u in range(sub):
             kb = ((s * steps + t) * sub + u) * g  # the first scale block
-            b = w_ref[e, cols, pl.ds(kb, g), :].astype(jnp.int32)  # [bn, g, 16] packed bytes
-            xe = xe_ref[i, pl.ds(kb, g), :].astype(F32)[None]  # elements 2k (low nibbles) [1, g, 16]
-            xo = xo_ref[i, pl.ds(kb, g), :].astype(F32)[None]
+            words = w_ref[e, cols, pl.ds(kb, g), :]  # [bn, g, 4] int32
             scale = qdq.e8m0_to_f32(s_ref[e, cols, pl.ds(kb, g)])[:, :, None]  # [bn, g, 1]
-            acc = acc + (e2m1_bits(b & 15) * scale) * xe + (e2m1_bits(b >> 4) * scale) * xo
+            for q in range(8):  # the arithmetic shift's sign bits fall outside the & 15
+                xq = x_ref[q, i, pl.ds(kb, g), :].astype(F32)[None]  # [1, g, 4]
+                acc = acc + (e2m1_bits((words >> (4 * q)) & 15) * scale) * xq
         return acc
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, g, FP4_BLOCK // 2), F32))
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, g, 4), F32))
     o_ref[...] = jnp.sum(jnp.sum(acc, axis=2), axis=1)
 
 
