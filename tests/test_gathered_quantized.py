@@ -5,6 +5,7 @@ E8M0 scales meet; rows repeat experts and leave some unused; shapes with one sca
 column blocks of 16, K split over several programs; every layer's stack indexed by its rank (through
 `moe.sparse`, the way the model calls it). The GPU test at the end runs the compiled kernel (skipped elsewhere)."""
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -206,7 +207,10 @@ def test_fp4_kernel_over_one_flash_layer_indexes_words(monkeypatch):
     x, ids = jax.ShapeDtypeStruct((24, 5120), BF16), jax.ShapeDtypeStruct((24,), jnp.int32)
     text = _triton_ir(monkeypatch, lambda x, w, ids: gathered._quantized_call(x, w, ids, False), x, FLASH_FP4(384),
                       ids)
-    assert "i64" not in text and "tensor<64x2x4xi32>" in text and "xi8>" in text  # words, and the scale bytes
+    assert "i64" not in text  # 32-bit offsets, and loads through i32 pointers (words) and i8 ones (the scales) only
+    assert {"tensor<64x2x4x!tt.ptr<i32>>", "tensor<64x2x!tt.ptr<i8>>"} <= set(re.findall(r"tensor<[^<>]*<i\d+>>", text))
+    assert not re.search(r"tensor<64x2x16x!tt.ptr<i8>>", text)  # no byte loads of the packed codes
+    assert gathered._addressed(FLASH_FP4(384))["fp4"].shape == (384, 2304, 640)  # what `fits` checks: the words
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])

@@ -10,12 +10,13 @@ step when it was given the slice). The XLA gather + einsum is the reference, run
 
 Experts kept quantized ({"fp4": packed e2m1 [G, N, K/2], "scale": E8M0 [G, N, K/32]}, the [out, in] layout of
 `qdq.dequant_fp4`, also GPT-OSS's MXFP4, read as 32-bit words of 8 codes; or {"fp8": e4m3 [G, N, K], "scale":
-E8M0 [G, N/B, K/B]}) are read as stored: the kernel decodes each block of the chosen slab in registers (e2m1 codes and E8M0 bytes bit for bit as
-`qdq`), so a step reads the quantized bytes only (FP4: ~0.28 of bf16). Their reference is `qdq.dequant` of the
-chosen experts, then the same einsum. H200, GPT-OSS-20B widths, one 2880 x 2880 matrix over 24 layers' stack
-(development timing, not the probe): B=1 0.033 ms (bf16 kernel 0.028, XLA dequant path 0.035), B=8 0.160 ms
-(0.145, 0.216); without decoding the same loads take 0.026 / 0.118 ms, so 16-byte-wide column rows, not the
-bandwidth, bound it (~0.5 TB/s of quantized bytes).
+E8M0 [G, N/B, K/B]}) are read as stored: the kernel decodes each block of the chosen slab in registers (e2m1 codes
+and E8M0 bytes bit for bit as `qdq`), so a step reads the quantized bytes only (FP4: ~0.28 of bf16). Their
+reference is `qdq.dequant` of the chosen experts, then the same einsum. H100, GPT-OSS-20B widths, one 2880 x 2880
+matrix over 24 layers' stack (BENCHMARKS.md, fifth session): B=1 0.047 ms (XLA dequant path 0.049), B=8 0.169 ms
+(0.198). Earlier H200 timings of the byte-reading kernel (B=1 0.033, bf16 kernel 0.028; without decoding the loads
+took 0.026 / 0.118 ms, so 16-byte-wide column rows, not the bandwidth, bound it) read layers 16-23 of that 3.2e9-byte
+stack through wrapped offsets (issue #13).
 """
 import functools
 import os
@@ -147,7 +148,7 @@ def _fp8_block(w):
 
 def _quantized_call(x, w, ids, interpret):
     n, N = x.shape[0], w["scale"].shape[1] if "fp4" in w else w["fp8"].shape[1]
-    if "fp4" in w:  # x's even / odd elements meet the low / high nibbles; all viewed in scale blocks of 16 bytes
+    if "fp4" in w:  # a scale block: 4 words of 8 nibbles; x split by nibble q (element 8p + q of the block)
         K = 2 * w["fp4"].shape[2]
         blocks = K // FP4_BLOCK
         g = 2 if blocks % 2 == 0 else 1  # 32 bytes a column a load (H200: 16 was ~1.3x slower)
