@@ -54,10 +54,7 @@ def fits(x, w) -> bool:
 
 def _addressed(w):
     """The weight operands' shapes as the kernel receives them: FP4 bytes as 32-bit words (`_words`)."""
-    if not (isinstance(w, dict) and "fp4" in w):
-        return w
-    *lead, half = w["fp4"].shape
-    return {**w, "fp4": jax.ShapeDtypeStruct((*lead, half // 4), jnp.int32)}
+    return {**w, "fp4": jax.eval_shape(_words, w["fp4"])} if isinstance(w, dict) and "fp4" in w else w
 
 
 def _words(b):
