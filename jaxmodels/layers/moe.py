@@ -6,8 +6,9 @@ every token and masks: the reference the sparse path is tested against. Experts 
 ({"fp8"|"fp4", "scale"} leaves, [E, out, in]) are expanded inside the computation. The sharding decision
 is an argument: `shard` (see jaxmodels.sharding.Sharding) says whether experts are split over a mesh axis.
 
-More experts than the grouped kernels take (DeepSeek's 256-384, Qwen3-MoE's 128) go through `_windows`: one loop
-step per window of an expert's rows. XLA lowers `lax.ragged_dot` densely (every row through every expert behind a
+More experts than the grouped kernels take (DeepSeek's 256-384, Qwen3-MoE's 128) go through windows of an
+expert's rows: on the GPU all at once (`windowed`, a kernel per matrix), elsewhere `_windows`, one XLA loop step a
+window. XLA lowers `lax.ragged_dot` densely (every row through every expert behind a
 mask: E times the FLOPs, a [rows, E * in] operand), which at V4.1-Flash widths is 6e9 elements for a 512-token
 prefill, with every FP4 expert expanded to bf16 (9 GB a matrix) before it.
 """
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmodels.config import MLPSpec
-from jaxmodels.layers import gathered, grouped, mlp, qdq
+from jaxmodels.layers import gathered, grouped, mlp, qdq, windowed
 
 F32 = jnp.float32
 SCORES = {"softmax": lambda s: jax.nn.softmax(s, axis=-1), "sigmoid": jax.nn.sigmoid,
@@ -116,7 +117,7 @@ def _routed(spec, p, xt, w, idx, first, stack=None):
     token, sorted_e = order // spec.top_k, flat[order]
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     if E > WINDOWED_EXPERTS:
-        y = _windows(spec, p, xt[token], sizes, stack)
+        y = _windowed(spec, p, xt[token], sizes, stack)
     else:
         if isinstance(p["w_gate"], dict):  # expand every expert once, [E, in, out]
             p = p | {k: jnp.swapaxes(qdq.dequant(p[k], xt.dtype), -1, -2) for k in ("w_gate", "w_up", "w_down")}
@@ -134,19 +135,47 @@ def _window(rows: int, experts: int) -> int:
     return min(256, max(16, 1 << max(0, -(-rows // experts) - 1).bit_length()))
 
 
+def _in_place(p, stack, name):
+    """Expert matrix `name` as the kernels read it: every layer's [L * E, ...] and this layer's first id (given the
+    stack of a scanned layer), else p's own [E, ...] and 0."""
+    if stack is None:
+        return p[name], 0
+    whole = stack[0][name]
+    return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), whole), stack[1] * jax.tree.leaves(whole)[0].shape[1]
+
+
+def _windowed(spec, p, x, sizes, stack=None):
+    """Rows sorted by expert (x [M, D], group sizes [E]) through their experts: on the GPU the windows of all
+    experts in one kernel per matrix (`windowed.matmul`), elsewhere `_windows`. Rows past the groups come out zero."""
+    M, E = x.shape[0], sizes.shape[0]
+    mats = {k: _in_place(p, stack, k) for k in ("w_gate", "w_up", "w_down")}
+    if not all(windowed.fits(x, w) for w, _ in mats.values()):
+        return _windows(spec, p, x, sizes, stack)
+    lay = windowed.layout(sizes, M, min(_window(M, E), windowed.MAX_WINDOW))
+    e = jnp.repeat(lay.expert, lay.W)  # each slot's expert, for the biases
+
+    def mm(a, name):
+        w, first = mats[name]
+        return windowed.matmul(a, w, lay, first)
+
+    xw = windowed.spread(x, lay)
+    g, u = mm(xw, "w_gate"), mm(xw, "w_up")
+    if spec.bias:
+        g, u = g + p["b_gate"][e], u + p["b_up"][e]
+    y = mm(mlp.activate(spec, g, u), "w_down")
+    return windowed.collect(y + p["b_down"][e] if spec.bias else y, lay, M)
+
+
 def _windows(spec, p, x, sizes, stack=None):
-    """Rows sorted by expert (x [M, D], group sizes [E], sum <= M) through their experts, a window of W rows of
-    one expert a step: E + M / W steps, each reading one expert's matrices (decoding just that expert if kept
-    quantized; with `stack`, in place in every layer's stack) and W rows from its group's start. Rows past the
-    groups come out zero, as `lax.ragged_dot` gives them. Memory is O(M + one expert), work ~ routed rows; the
-    static step count keeps the loop free of host syncs, so the steps past the last window compute on nothing.
-    On a tensor-parallel mesh each step ends in its own all-reduce of [W, D] (not measured)."""
+    """Rows sorted by expert (x [M, D], group sizes [E], sum <= M) through their experts, one window of W rows of
+    one expert a step (`windowed.layout`): E + M / W steps, each reading one expert's matrices (decoding just that
+    expert if kept quantized; with `stack`, in place in every layer's stack) and W rows from its group's start.
+    Rows past the groups come out zero, as `lax.ragged_dot` gives them. Memory is O(M + one expert), work ~ routed
+    rows; the static step count keeps the loop free of host syncs, so the steps past the last window compute on
+    nothing. On a tensor-parallel mesh each step ends in its own all-reduce of [W, D] (not measured)."""
     M, D = x.shape
-    E = sizes.shape[0]
-    W = _window(M, E)
-    pieces = -(-sizes // W)
-    first = jnp.cumsum(pieces) - pieces  # the first step of each expert
-    starts = jnp.cumsum(sizes) - sizes
+    lay = windowed.layout(sizes, M, _window(M, sizes.shape[0]))
+    W = lay.W
     padded = jnp.concatenate([x, jnp.zeros((W, D), x.dtype)])  # a window from any start stays inside
 
     def expert(name, e):
@@ -165,15 +194,13 @@ def _windows(spec, p, x, sizes, stack=None):
         return y + p["b_down"][e] if spec.bias else y
 
     def step(j, out):
-        e = jnp.minimum(jnp.sum(first <= j) - 1, E - 1)  # the last expert starting at or before step j
-        piece = j - first[e]
-        start = starts[e] + piece * W
-        valid = jnp.arange(W) < sizes[e] - piece * W  # none, past the expert's last window
+        e, start = lay.expert[j], lay.start[j]
+        valid = jnp.arange(W) < lay.count[j]  # none in an unused window
         y = mlp_of(jax.lax.dynamic_slice_in_dim(padded, start, W), e)
         kept = jax.lax.dynamic_slice_in_dim(out, start, W)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None], y.astype(out.dtype), kept), start, 0)
 
-    out = jax.lax.fori_loop(0, E + -(-M // W), step, jnp.zeros((M + W, D), x.dtype))
+    out = jax.lax.fori_loop(0, lay.expert.shape[0], step, jnp.zeros((M + W, D), x.dtype))
     return out[:M]
 
 
@@ -187,10 +214,8 @@ def _gathered(spec, p, xt, w, idx, stack=None):
     def mm(a, name):
         if stack is None:  # (the kernel given a scanned layer's slice: XLA copies the slice first)
             return gathered.reference(a, p[name], e)
-        # every layer's [L, E, ...] (bytes and scales too, if kept quantized): expert e of this layer is layer * E + e
-        whole, layer = stack[0][name], stack[1]
-        E = jax.tree.leaves(whole)[0].shape[1]
-        return gathered.matmul(a, jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), whole), layer * E + e)
+        w, first = _in_place(p, stack, name)  # bytes and scales too, if kept quantized
+        return gathered.matmul(a, w, first + e)
 
     g, u = mm(rows, "w_gate"), mm(rows, "w_up")
     if spec.bias:
