@@ -103,14 +103,17 @@ def _routed(spec, p, xt, w, idx, first, stack=None):
     """Sum of the assignments to the experts in `p` (global ids first ..); other assignments add 0.
 
     Few assignments (tokens * top_k <= experts: decode) read only their experts' weights (`_gathered`); more go
-    sorted by expert through one grouped matmul per matrix. Experts kept quantized gather just their bytes there,
-    and on the grouped path expand every expert once.
+    sorted by expert through one grouped matmul per matrix (`_windowed` past 32 experts). Experts kept quantized
+    gather just their bytes there; on the grouped path up to 32 experts expand every expert once, past it the
+    windows decode their experts' FP4 inside the kernel (on the GPU) or one expert a loop step.
     """
     E = jax.tree.leaves(p["w_gate"])[0].shape[0]
     local = idx - first
     mine = (local >= 0) & (local < E)
     w = jnp.where(mine, w, 0)
-    if xt.shape[0] * spec.top_k <= E:
+    # FP4 windows through the kernel beat an expert read per row from about E/2 rows on (H100, BENCHMARKS.md)
+    windows_early = E > WINDOWED_EXPERTS and isinstance(p["w_gate"], dict) and windowed.fits(xt, p["w_gate"])
+    if xt.shape[0] * spec.top_k <= (E // 2 if windows_early else E):
         return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1), stack)
     flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
