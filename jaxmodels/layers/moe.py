@@ -112,7 +112,8 @@ def _routed(spec, p, xt, w, idx, first, stack=None):
     mine = (local >= 0) & (local < E)
     w = jnp.where(mine, w, 0)
     # FP4 windows through the kernel beat an expert read per row from about E/2 rows on (H100, BENCHMARKS.md)
-    windows_early = E > WINDOWED_EXPERTS and isinstance(p["w_gate"], dict) and windowed.fits(xt, p["w_gate"])
+    windows_early = (stack is not None and E > WINDOWED_EXPERTS and isinstance(p["w_gate"], dict)
+                     and windowed.fits(xt, p["w_gate"]))
     if xt.shape[0] * spec.top_k <= (E // 2 if windows_early else E):
         return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1), stack)
     flat = jnp.where(mine, local, E).reshape(-1)
@@ -148,11 +149,13 @@ def _in_place(p, stack, name):
 
 
 def _windowed(spec, p, x, sizes, stack=None):
-    """Rows sorted by expert (x [M, D], group sizes [E]) through their experts: on the GPU the windows of all
-    experts in one kernel per matrix (`windowed.matmul`), elsewhere `_windows`. Rows past the groups come out zero."""
+    """Rows sorted by expert (x [M, D], group sizes [E]) through their experts: on the GPU, given every layer's
+    stack, the windows of all experts in one kernel per matrix (`windowed.matmul`); elsewhere, and on a mesh (no
+    stack: the kernel has no partitioning rule, XLA would gather the stack to every device), `_windows`. Rows past
+    the groups come out zero."""
     M, E = x.shape[0], sizes.shape[0]
     mats = {k: _in_place(p, stack, k) for k in ("w_gate", "w_up", "w_down")}
-    if not all(windowed.fits(x, w) for w, _ in mats.values()):
+    if stack is None or not all(windowed.fits(x, w) for w, _ in mats.values()):
         return _windows(spec, p, x, sizes, stack)
     lay = windowed.layout(sizes, M, min(_window(M, E), windowed.MAX_WINDOW))
     e = jnp.repeat(lay.expert, lay.W)  # each slot's expert, for the biases
