@@ -36,9 +36,9 @@ def fp4(G, N, K):
             "scale": jax.random.randint(ks, (G, N, K // 32), 118, 132, jnp.int32).astype(jnp.uint8)}
 
 
-def paths(w, E, first=0):
+def paths(w, E, first=0, W=None):
     def win(x, w, sizes):
-        lay = windowed.layout(sizes, x.shape[0], min(moe._window(x.shape[0], E), windowed.MAX_WINDOW))
+        lay = windowed.layout(sizes, x.shape[0], W or min(moe._window(x.shape[0], E), windowed.MAX_WINDOW))
         return windowed.collect(windowed.matmul(windowed.spread(x, lay), w, lay, first), lay, x.shape[0])
 
     def loop(x, w, sizes):
@@ -57,6 +57,8 @@ def main():
     ap.add_argument("--out", default="windowed.json")
     ap.add_argument("--rows", default="48,192,384,768,1536,3072,12288")
     ap.add_argument("--loop-rows", default="768,3072", help="rows at which the slow XLA loop is timed too")
+    ap.add_argument("--sweep", default="", help="W,W,...: also time the kernel with these window sizes")
+    ap.add_argument("--cases", default="0,1,2", help="which of the three cases to run")
     a = ap.parse_args()
     loop_rows = {int(r) for r in a.loop_rows.split(",")}
     rows = []
@@ -64,6 +66,9 @@ def main():
              ("flash fp4 down", 384, fp4(384, 5120, 2304), 2304, 5120, 0.5 + 1 / 32),
              ("qwen3-moe bf16 gate", 128, (jax.random.normal(jax.random.key(1), (128, 2048, 768)) / 32).astype(BF16),
               2048, 768, 2)]
+    for c in sorted(set(range(len(cases))) - set(map(int, a.cases.split(","))), reverse=True):
+        del cases[c]
+    sweep = [int(v) for v in a.sweep.split(",") if v]
     for name, E, w, K, N, bpe in cases:
         f = paths(w, E)
         for M in map(int, a.rows.split(",")):
@@ -80,6 +85,8 @@ def main():
                     ref = np.asarray(f[k](x, w, sizes), np.float32)
                     r[f"max_diff_vs_{k}"] = float(np.abs(y - ref).max() / np.abs(ref).max())
                 r[f"{k}_ms"] = ms(f[k], x, w, sizes)
+            for W in sweep:
+                r[f"windowed_W{W}_ms"] = ms(paths(w, E, W=W)["windowed"], x, w, sizes)
             r["windowed_GBps"] = used * N * K * bpe / r["windowed_ms"] / 1e6
             print(json.dumps(r), flush=True)
             rows.append(r)
