@@ -12,7 +12,7 @@ import pytest
 
 from jaxmodels.layers import moe, qdq, windowed
 from tests.test_gathered_quantized import fp4_experts
-from tests.test_moe import forced, make_params, spec_of
+from tests.test_moe import forced, spec_of
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 SIZES = [[0, 5, 0, 40, 1, 0], [17, 0, 0, 0, 0, 16], [0, 0, 0, 0, 0, 0], [70, 0, 0, 0, 0, 0], [3, 9, 1, 12, 33, 7]]
