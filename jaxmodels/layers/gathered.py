@@ -1,7 +1,7 @@
 """Each row through its own expert: y[i] = x[i] @ w[ids[i]], reading only the chosen experts' weights.
 
-Decode routes few rows (tokens x top-k <= experts), so its MoE cost is the routed experts' bytes. The grouped GEMM
-(`grouped.py`) computes tiles for every expert whatever the group sizes (GPT-OSS-20B at batch 1 on an H200: 7.1 of
+Decode routes few rows (tokens x top-k <= experts; E/2 for FP4 past 32 experts, where `windowed` wins above), so
+its MoE cost is the routed experts' bytes. The grouped GEMM (`grouped.py`) computes tiles for every expert whatever the group sizes (GPT-OSS-20B at batch 1 on an H200: 7.1 of
 an 11.3 ms step, reading all 32 experts per layer), and XLA's gather of w[ids] materialises the chosen slabs at
 ~300 GB/s before its matmul. This kernel (Pallas, Triton backend) is a GEMV per (row, column block, split of the
 contraction) that reads its expert's slab in place: give it every layer's experts ([L * E, K, N], ids offset by
