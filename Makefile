@@ -1,5 +1,5 @@
-# `make demo`: set up, convert the embedded default model, generate.  `make test`: set up, run the suite
-# (`make test-heavy`: with the matrices too wide for CI).
+# `make demo`: set up, convert the embedded default model, generate.  `make test`: set up, run the suite, fast set
+# first (`make test-fast`: only that; `make test-heavy`: with the matrices too wide for CI).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # test files spread over this many processes (pytest-xdist; a file stays in one, so its module fixtures are built once)
 WORKERS ?= 2
 
-.PHONY: demo test test-heavy install clean
+.PHONY: demo test test-fast test-heavy install clean
 
 install: $(VENV)/.runtime
 
@@ -33,11 +33,18 @@ demo: $(VENV)/.runtime $(MODEL_DIR)/jaxmodels.json
 	$(VENV)/bin/jaxmodels inspect $(MODEL_DIR)
 	$(VENV)/bin/jaxmodels generate --model $(MODEL_DIR) --prompt "$(PROMPT)" --max-new-tokens 64
 
-test: $(VENV)/.test
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
+# The fast set first (`make test-fast` stops there), then the tests marked slow (tiny-DeepSeek compiles, real
+# weights, notebooks). pytest's exit code 5 (nothing selected: PYTEST_ARGS naming a file without such tests) passes.
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=20
+
+test-fast: $(VENV)/.test
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test: test-fast
+	$(PYTEST) -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-heavy: $(VENV)/.test  # also the matrices too wide for CI's budget (tests marked heavy)
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --heavy $(PYTEST_ARGS)
+	$(PYTEST) --heavy $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -10,7 +10,7 @@ from tests.parity import hf_reference as ref
 from tests.parity.test_deepseek_v4 import V4_TINY
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt_oss", "deepseek_v4"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt_oss", pytest.param("deepseek_v4", marks=pytest.mark.slow)])
 def test_float16_runs_on_the_cpu(name):
     cfg = (deepseek_v4.config({**V4_TINY, "model_type": "deepseek_v4"}) if name == "deepseek_v4"
            else families.config_from_hf(ref.tiny_config(name)))

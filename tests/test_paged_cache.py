@@ -62,7 +62,7 @@ def _precise():
         yield
 
 
-@pytest.mark.parametrize("name", DENSE + ["deepseek_v4", "deepseek_v41"])
+@pytest.mark.parametrize("name", DENSE + [pytest.param(n, marks=pytest.mark.slow) for n in ("deepseek_v4", "deepseek_v41")])
 def test_paged_equals_contiguous(name):
     cfg = _config(name)
     params = M.init_params(cfg, seed=1, std=0.05)

@@ -176,6 +176,7 @@ def test_import_onto_a_mesh_reads_slices_and_equals_host_import(name, tmp_path):
     assert converters.read_source_sharded  # public
 
 
+@pytest.mark.slow  # ~100 s a version on 2 cores
 @pytest.mark.parametrize("version", ["v4", "v4.1"])
 def test_deepseek_sharded_equals_unsharded(version):
     """DeepSeek's parameters carry logical axes in the plan like every family's: placed by the generic rules

@@ -22,7 +22,7 @@ from tests.parity.test_deepseek_v4 import V4_TINY
 
 TOL = 2e-5
 NEW = 12
-pytestmark = pytest.mark.usefixtures("fast_compiles")
+pytestmark = [pytest.mark.usefixtures("fast_compiles"), pytest.mark.slow]  # DeepSeek compiles: the slow set
 
 
 def v4_config():

@@ -31,6 +31,7 @@ from jaxmodels.plan import cache_bytes_per_token, plan
 from tests.oracles import deepseek_ckpt as ck, deepseek_v41 as oracle
 from tests import quant_encoders as enc
 
+pytestmark = pytest.mark.slow  # tiny DeepSeek compiles, 30-100 s a test on 2 cores: the second, slow set
 TOL = 1e-4
 
 V4_TINY = dict(vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,

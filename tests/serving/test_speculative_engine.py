@@ -28,7 +28,7 @@ ENGINES = {"v4": dict(max_num_seqs=4, max_model_len=64, kv_blocks=12, block_size
                       num_speculative_tokens=3),
            "v41": dict(max_num_seqs=4, max_model_len=32, kv_blocks=200, block_size=4, max_num_batched_tokens=7,
                        num_speculative_tokens=2)}
-pytestmark = pytest.mark.usefixtures("fast_compiles")  # tests/conftest.py: nearly all of this module is XLA
+pytestmark = [pytest.mark.usefixtures("fast_compiles"), pytest.mark.slow]  # tests/conftest.py: nearly all of this module is XLA
 
 
 @pytest.fixture(autouse=True)
