@@ -121,22 +121,37 @@ def test_fp4_kernel_special_scale_bytes():
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp4"])
-def test_gradients_are_the_references(fmt):
+def test_gradients_equal_the_grouped_products(fmt):
+    """Through spread, the kernel (this layer's experts 4..7 of a stack of 8) and collect: dx (and dw for bf16
+    experts: nonzero only on this layer's experts) equal `lax.ragged_dot`'s over the same (dequantised) experts in
+    float32, and the reference loop's exactly (the kernel's backward is the loop's)."""
     rng = np.random.default_rng(7)
-    sizes, K, N = [9, 0, 30, 2], 128, 32
-    w = fp4_experts(rng, 4, N, K) if fmt == "fp4" else jnp.asarray(rng.normal(size=(4, K, N)), BF16)
+    sizes, K, N, first = jnp.asarray([9, 0, 30, 2], jnp.int32), 128, 32, 4
+    w = fp4_experts(rng, 8, N, K) if fmt == "fp4" else jnp.asarray(rng.normal(size=(8, K, N)), BF16)
     x = jnp.asarray(rng.normal(size=(45, K)), BF16)
-    lay = windowed.layout(jnp.asarray(sizes, jnp.int32), 45, 16)
-    xw = windowed.spread(x, lay)
-    g = jnp.asarray(rng.normal(size=(xw.shape[0], N)), BF16)
+    g = jnp.asarray(rng.normal(size=(45, N)), F32)
+    lay = windowed.layout(sizes, 45, 16)
     argnums = (0,) if fmt == "fp4" else (0, 1)
 
     def grads(**kw):
-        return jax.grad(lambda x, w: jnp.vdot(windowed.matmul(x, w, lay, **kw).astype(F32), g.astype(F32)),
-                        argnums=argnums)(xw, w)
+        def loss(x, w):
+            y = windowed.collect(windowed.matmul(windowed.spread(x, lay), w, lay, first, **kw), lay, 45)
+            return jnp.vdot(y.astype(F32), g)
+        return jax.jit(jax.grad(loss, argnums=argnums))(x, w)
 
-    for a, b in zip(grads(interpret=True), grads()):
+    def dense(x, w):
+        we = (jnp.swapaxes(qdq.dequant(jax.tree.map(lambda v: v[first:first + 4], w), F32), -1, -2)
+              if fmt == "fp4" else w[first:first + 4].astype(F32))
+        return jnp.vdot(jax.lax.ragged_dot(x.astype(F32), we, sizes), g)
+
+    want_ = jax.grad(dense, argnums=argnums)(x, w)
+    got, loop = grads(interpret=True), grads()
+    for a, b, c in zip(got, loop, want_):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        c = np.asarray(c, np.float64)
+        check(np.asarray(a, np.float64), c, 2e-2)
+    if fmt == "bf16":
+        assert not np.asarray(got[1][:first], np.float32).any() and np.asarray(got[1][first:], np.float32).any()
 
 
 def test_widths_it_does_not_tile_take_the_reference(monkeypatch):

@@ -112,9 +112,8 @@ def _routed(spec, p, xt, w, idx, first, stack=None):
     mine = (local >= 0) & (local < E)
     w = jnp.where(mine, w, 0)
     # FP4 windows through the kernel beat an expert read per row from about E/2 rows on (H100, BENCHMARKS.md)
-    windows_early = (stack is not None and E > WINDOWED_EXPERTS and isinstance(p["w_gate"], dict)
-                     and windowed.fits(xt, p["w_gate"]))
-    if xt.shape[0] * spec.top_k <= (E // 2 if windows_early else E):
+    kernel = E > WINDOWED_EXPERTS and _kernel_mats(p, xt, stack) is not None
+    if xt.shape[0] * spec.top_k <= (E // 2 if kernel and isinstance(p["w_gate"], dict) else E):
         return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1), stack)
     flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -139,13 +138,20 @@ def _window(rows: int, experts: int) -> int:
     return min(256, max(16, 1 << max(0, -(-rows // experts) - 1).bit_length()))
 
 
-def _in_place(p, stack, name):
-    """Expert matrix `name` as the kernels read it: every layer's [L * E, ...] and this layer's first id (given the
-    stack of a scanned layer), else p's own [E, ...] and 0."""
-    if stack is None:
-        return p[name], 0
+def _in_place(stack, name):
+    """Expert matrix `name` as the kernels read it, from the stack of a scanned layer: every layer's [L * E, ...]
+    and this layer's first id."""
     whole = stack[0][name]
     return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), whole), stack[1] * jax.tree.leaves(whole)[0].shape[1]
+
+
+def _kernel_mats(p, x, stack):
+    """The three expert matrices as `windowed.matmul` reads them (`_in_place`), if it runs on all of them: given the
+    stack (none on a mesh), on the GPU, for widths and offsets it takes; else None."""
+    if stack is None:
+        return None
+    mats = {k: _in_place(stack, k) for k in ("w_gate", "w_up", "w_down")}
+    return mats if all(windowed.fits(x, w) for w, _ in mats.values()) else None
 
 
 def _windowed(spec, p, x, sizes, stack=None):
@@ -154,8 +160,8 @@ def _windowed(spec, p, x, sizes, stack=None):
     stack: the kernel has no partitioning rule, XLA would gather the stack to every device), `_windows`. Rows past
     the groups come out zero."""
     M, E = x.shape[0], sizes.shape[0]
-    mats = {k: _in_place(p, stack, k) for k in ("w_gate", "w_up", "w_down")}
-    if stack is None or not all(windowed.fits(x, w) for w, _ in mats.values()):
+    mats = _kernel_mats(p, x, stack)
+    if mats is None:
         return _windows(spec, p, x, sizes, stack)
     lay = windowed.layout(sizes, M, min(_window(M, E), windowed.MAX_WINDOW))
     e = jnp.repeat(lay.expert, lay.W)  # each slot's expert, for the biases
@@ -220,7 +226,7 @@ def _gathered(spec, p, xt, w, idx, stack=None):
     def mm(a, name):
         if stack is None:  # (the kernel given a scanned layer's slice: XLA copies the slice first)
             return gathered.reference(a, p[name], e)
-        w, first = _in_place(p, stack, name)  # bytes and scales too, if kept quantized
+        w, first = _in_place(stack, name)  # bytes and scales too, if kept quantized
         return gathered.matmul(a, w, first + e)
 
     g, u = mm(rows, "w_gate"), mm(rows, "w_up")

@@ -110,8 +110,10 @@ def matmul(xw, w, lay: Layout, first=0, *, interpret: bool = False):
     """xw [P * W, K] in `lay`'s window layout, w every layer's experts ([G, K, N], or FP4 {"fp4" [G, N, K/2],
     "scale" [G, N, K/32]}), window p through expert first + lay.expert[p] -> [P * W, N] in xw's dtype (unused
     windows zero). Differentiable in xw (and in w unless quantized) through `reference`'s backward.
+    The kernel takes windows of W >= 16 rows, a power of two (`reference` any other).
     interpret: the kernel in Pallas' interpreter wherever its widths tile (CPU tests)."""
-    if not (fits(xw, w) or interpret and _tiles(xw, w)):
+    tiles = lay.W >= 16 and lay.W & (lay.W - 1) == 0  # the tensor cores' rows; Triton's blocks: powers of two
+    if not (tiles and (fits(xw, w) or interpret and _tiles(xw, w))):
         return reference(xw, w, lay, first)
     return _kernel_matmul(xw, w, lay, jnp.asarray(first, jnp.int32), interpret)
 
