@@ -1,5 +1,6 @@
-"""Expert-sorted rows through their experts a window at a time, every window at once: the grouped matmul for more
-experts than `grouped`'s kernels take (DeepSeek's 256-384, Qwen3-MoE's 128), experts kept in FP4 decoded inside.
+"""Expert-sorted rows through their experts in windows of W rows of one expert, all windows in one kernel: the
+grouped matmul for more experts than `grouped`'s kernels take (DeepSeek's 256-384, Qwen3-MoE's 128), experts kept
+in FP4 decoded inside.
 
 The rows of expert e are cut into windows of W rows; P = E + ceil(M / W) windows cover any group sizes (`layout`).
 `moe._windows` (XLA) runs the windows one loop step after another, each step expanding its expert to bf16 in HBM:
