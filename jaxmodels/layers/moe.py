@@ -112,15 +112,15 @@ def _routed(spec, p, xt, w, idx, first, stack=None):
     mine = (local >= 0) & (local < E)
     w = jnp.where(mine, w, 0)
     # FP4 windows through the kernel beat an expert read per row from about E/2 rows on (H100, BENCHMARKS.md)
-    kernel = E > WINDOWED_EXPERTS and _kernel_mats(p, xt, stack) is not None
-    if xt.shape[0] * spec.top_k <= (E // 2 if kernel and isinstance(p["w_gate"], dict) else E):
+    mats = _kernel_mats(xt, stack) if E > WINDOWED_EXPERTS else None
+    if xt.shape[0] * spec.top_k <= (E // 2 if mats is not None and isinstance(p["w_gate"], dict) else E):
         return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1), stack)
     flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token, sorted_e = order // spec.top_k, flat[order]
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     if E > WINDOWED_EXPERTS:
-        y = _windowed(spec, p, xt[token], sizes, stack)
+        y = _windowed(spec, p, xt[token], sizes, stack, mats)
     else:
         if isinstance(p["w_gate"], dict):  # expand every expert once, [E, in, out]
             p = p | {k: jnp.swapaxes(qdq.dequant(p[k], xt.dtype), -1, -2) for k in ("w_gate", "w_up", "w_down")}
@@ -145,7 +145,7 @@ def _in_place(stack, name):
     return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), whole), stack[1] * jax.tree.leaves(whole)[0].shape[1]
 
 
-def _kernel_mats(p, x, stack):
+def _kernel_mats(x, stack):
     """The three expert matrices as `windowed.matmul` reads them (`_in_place`), if it runs on all of them: given the
     stack (none on a mesh), on the GPU, for widths and offsets it takes; else None."""
     if stack is None:
@@ -154,13 +154,12 @@ def _kernel_mats(p, x, stack):
     return mats if all(windowed.fits(x, w) for w, _ in mats.values()) else None
 
 
-def _windowed(spec, p, x, sizes, stack=None):
-    """Rows sorted by expert (x [M, D], group sizes [E]) through their experts: on the GPU, given every layer's
-    stack, the windows of all experts in one kernel per matrix (`windowed.matmul`); elsewhere, and on a mesh (no
-    stack: the kernel has no partitioning rule, XLA would gather the stack to every device), `_windows`. Rows past
-    the groups come out zero."""
+def _windowed(spec, p, x, sizes, stack, mats):
+    """Rows sorted by expert (x [M, D], group sizes [E]) through their experts: given `mats` (`_kernel_mats`: on the
+    GPU, from every layer's stack), the windows of all experts in one kernel per matrix (`windowed.matmul`);
+    elsewhere, and on a mesh (no stack: the kernel has no partitioning rule, XLA would gather the stack to every
+    device), `_windows`. Rows past the groups come out zero."""
     M, E = x.shape[0], sizes.shape[0]
-    mats = _kernel_mats(p, x, stack)
     if mats is None:
         return _windows(spec, p, x, sizes, stack)
     lay = windowed.layout(sizes, M, min(_window(M, E), windowed.MAX_WINDOW))

@@ -24,7 +24,6 @@ from jax.experimental import pallas as pl
 from jaxmodels.layers import gathered, qdq, triton
 
 F32 = jnp.float32
-HALF = (jnp.bfloat16, jnp.float16)
 MAX_WINDOW = 128  # rows a program: its fp32 accumulator [W, bn] lives in registers
 
 
@@ -48,7 +47,8 @@ def layout(sizes, rows: int, W: int) -> Layout:
     e = jnp.minimum(jnp.searchsorted(ends, p, side="right"), E - 1)  # past the last window: a piece past E-1's
     piece = p - (ends - pieces)[e]
     start = (jnp.cumsum(sizes) - sizes)[e] + piece * W
-    return Layout(e.astype(jnp.int32), start.astype(jnp.int32), jnp.clip(sizes[e] - piece * W, 0, W).astype(jnp.int32), W)
+    count = jnp.clip(sizes[e] - piece * W, 0, W)
+    return Layout(e.astype(jnp.int32), start.astype(jnp.int32), count.astype(jnp.int32), W)
 
 
 def _slots(lay: Layout):
@@ -91,7 +91,7 @@ def reference(xw, w, lay: Layout, first=0):
 
 
 def _tiles(x, w) -> bool:
-    if x.ndim != 2 or x.dtype not in HALF:
+    if x.ndim != 2 or x.dtype not in gathered.HALF:
         return False
     if isinstance(w, dict):  # FP4 only: a step decodes 4 or 8 scale blocks (16 or 32 words a column)
         return "fp4" in w and w["fp4"].shape[1] % 16 == 0 and (2 * w["fp4"].shape[2] // gathered.FP4_BLOCK) % 4 == 0
