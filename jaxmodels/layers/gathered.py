@@ -5,8 +5,9 @@ its MoE cost is the routed experts' bytes. The grouped GEMM (`grouped.py`) compu
 the group sizes (GPT-OSS-20B at batch 1 on an H200: 7.1 of an 11.3 ms step, reading all 32 experts per layer), and
 XLA's gather of w[ids] materialises the chosen slabs at ~300 GB/s before its matmul. This kernel (Pallas, Triton
 backend) is a GEMV per (row, column block, split of the contraction) that reads its expert's slab in place: give it
-every layer's experts ([L * E, K, N], ids offset by the layer), since XLA copies a scanned layer's slice of the stack before a Triton call (18 of a 23.6 ms GPT-OSS
-step when it was given the slice). The XLA gather + einsum is the reference, run everywhere the kernel does not.
+every layer's experts ([L * E, K, N], ids offset by the layer), since XLA copies a scanned layer's slice of the
+stack before a Triton call (18 of a 23.6 ms GPT-OSS step when it was given the slice). The XLA gather + einsum is
+the reference, run everywhere the kernel does not.
 
 Experts kept quantized ({"fp4": packed e2m1 [G, N, K/2], "scale": E8M0 [G, N, K/32]}, the [out, in] layout of
 `qdq.dequant_fp4`, also GPT-OSS's MXFP4, read as 32-bit words of 8 codes; or {"fp8": e4m3 [G, N, K], "scale":
