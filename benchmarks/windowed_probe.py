@@ -7,11 +7,13 @@ row: moe's path while rows <= experts), `loop` (`windowed.reference`: the XLA lo
 a step). Rows routed uniformly; GB/s counts the bytes of the distinct experts used once. Also a Qwen3-MoE-width
 bf16 case (128 experts, 2048 -> 768).
 
-`--decode cheap` swaps the e2m1 decode of both FP4 kernels for a bare int -> float conversion (wrong values, no
-checks): the time FP4 paths would take if decoding cost nothing, to tell a decode-bound kernel from a memory-bound one.
+`--decode` picks the FP4 kernels' e2m1 decode: `asm` (the default path, PTX two codes to a 32-bit op), `bits`
+(`gathered.e2m1_bits`, one code to an fp32 lane: JAXMODELS_ASM_DECODE=0), `cheap` (a bare int -> float conversion:
+wrong values, no checks; the time FP4 paths would take if decoding cost nothing).
 """
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -62,8 +64,9 @@ def main():
     ap.add_argument("--loop-rows", default="768,3072", help="rows at which the slow XLA loop is timed too")
     ap.add_argument("--sweep", default="", help="W,W,...: also time the kernel with these window sizes")
     ap.add_argument("--cases", default="0,1,2", help="which of the three cases to run")
-    ap.add_argument("--decode", default="exact", choices=("exact", "cheap"))
+    ap.add_argument("--decode", default="asm", choices=("asm", "bits", "cheap"))
     a = ap.parse_args()
+    os.environ["JAXMODELS_ASM_DECODE"] = "1" if a.decode == "asm" else "0"
     if a.decode == "cheap":
         gathered.e2m1_bits = lambda c: c.astype(jnp.float32)
     loop_rows = {int(r) for r in a.loop_rows.split(",")}
@@ -87,7 +90,7 @@ def main():
             for k in ("windowed", "gathered", "loop"):
                 if k == "loop" and M not in loop_rows or k == "gathered" and M > 3072:
                     continue
-                if k != "windowed" and a.decode == "exact":
+                if k != "windowed" and a.decode != "cheap":
                     ref = np.asarray(f[k](x, w, sizes), np.float32)
                     r[f"max_diff_vs_{k}"] = float(np.abs(y - ref).max() / np.abs(ref).max())
                 r[f"{k}_ms"] = ms(f[k], x, w, sizes)

@@ -52,7 +52,7 @@ def _block(cfg, lp, X, pre, attn, tokens, ctx):
     """One mHC block of the MTP layer spec with the given attention callable; returns (X, its FFN pre-mix)."""
     spec, eps = cfg.mtp.layer, cfg.norm_eps
     ffn = lambda h: moe.sparse(spec.mlp, lp["mlp"], norm(h, lp["mlp_norm"], eps, spec.norm), None, tokens,  # noqa: E731
-                               ctx["act_block"])
+                               ctx["act_block"], moe.lone(lp["mlp"]))  # the GPU kernels, as the main layers take
     return mhc.block(X, pre, lp["hc_attn"], lp["hc_mlp"], lambda h: attn(norm(h, lp["attn_norm"], eps, spec.norm)),
                      ffn, spec.mhc, eps)
 

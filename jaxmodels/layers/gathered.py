@@ -152,7 +152,7 @@ def _quantized_call(x, w, ids, interpret):
         g = 2 if blocks % 2 == 0 else 1  # 32 bytes a column a load (H200: 16 was ~1.3x slower)
         sub = 3 if (blocks // g) % 3 == 0 else 1
         steps, bn = blocks // (g * sub), next(b for b in (64, 32, 16) if N % b == 0)
-        kernel = functools.partial(_fp4_kernel, sub=sub, g=g)
+        kernel = functools.partial(_fp4_kernel, sub=sub, g=g, asm=asm_decode(interpret))
         words = _words(w["fp4"]).reshape(*w["fp4"].shape[:2], blocks, 4)  # a scale block: 4 words
         xq = jnp.moveaxis(x.reshape(n, blocks, 4, 8), -1, 0)  # [8, n, blocks, 4]: the elements of nibble q
         operands = (xq, words, w["scale"])
@@ -185,12 +185,49 @@ def e2m1_bits(c):
     return jax.lax.bitcast_convert_type((field << 22) | ((c & 8) << 28), F32)
 
 
-def _fp4_kernel(x_ref, w_ref, s_ref, ids_ref, o_ref, *, steps: int, bn: int, sub: int, g: int):
+def asm_decode(interpret: bool) -> bool:
+    """Whether the FP4 kernels decode with `_E2M1_PTX` (compiled on the GPU, with JAXMODELS_ASM_DECODE=1, read when
+    traced; not yet the default: not yet run on a GPU) or with `e2m1_bits` (the interpreter, which runs no PTX)."""
+    return not interpret and os.environ.get("JAXMODELS_ASM_DECODE", "0") != "0"
+
+
+def _e2m1_ptx(q: int) -> str:
+    """Two words' nibbles q to a bf16 pair, scaled: byte q // 2 of both words side by side in 16-bit halves (prmt),
+    a nibble's magnitude bits 2e + m moved to the bf16 exponent's two low bits and the mantissa's top bit and its sign
+    to the sign (2^(e-127) (1 + m/2), or the subnormal m 2^-127), then times 2^126 and times the scales. bf16x2
+    fma keeps subnormals, and each product is exact or overflows to inf as the dequantised weight does."""
+    k, (mag, sign) = q // 2, ((6, 12), (2, 8))[q % 2]  # a low nibble's bits 0-3, a high one's 4-7
+    return "\n".join([
+        "{", ".reg .b32 b, v, t, sc, c, z;",
+        "cvt.rn.bf16x2.f32 sc, $4, $3;",  # the first word's scale in the low half
+        "mov.b32 c, 0x7E807E80;", "mov.b32 z, 0x80008000;",  # 2^126 and -0, twice
+        f"prmt.b32 b, $1, $2, 0x{4 + k}{4 + k}{k}{k};",
+        f"shl.b32 v, b, {mag};", "and.b32 v, v, 0x01C001C0;", f"shl.b32 t, b, {sign};", "and.b32 t, t, 0x80008000;",
+        "or.b32 v, v, t;", "fma.rn.bf16x2 v, v, c, z;", "fma.rn.bf16x2 $0, v, sc, z;", "}"])
+
+
+_E2M1_PTX = [_e2m1_ptx(q) for q in range(8)]
+
+
+def e2m1_planes(words, scale, asm: bool):
+    """int32 words of 8 e2m1 codes and their fp32 scales (same shape) -> 8 bf16 arrays: nibble q of each word times
+    its scale, exactly the dequantised weight (e2m1 times a power of two fits bf16's mantissa; bf16 overflows where
+    fp32 does). asm: on the GPU, two codes to a 32-bit op (`_e2m1_ptx`, ~4 ops a weight after ptxas shares the
+    scale and byte moves between nibbles); else from `e2m1_bits`."""
+    if not asm:
+        return [(e2m1_bits((words >> (4 * q)) & 15) * scale).astype(jnp.bfloat16) for q in range(8)]
+    from jax.experimental.pallas import triton as plgpu  # (Pallas' lowering keeps one result of an asm block)
+    out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
+    return [plgpu.elementwise_inline_asm(ptx, args=[words, scale], constraints="=r,r,r,f,f", pack=2,
+                                         result_shape_dtypes=[out])[0] for ptx in _E2M1_PTX]
+
+
+def _fp4_kernel(x_ref, w_ref, s_ref, ids_ref, o_ref, *, steps: int, bn: int, sub: int, g: int, asm: bool):
     """Row i, columns j*bn .. of its expert's packed matrix, viewed [N, K/32, 4] words (a scale block of 4 words a
     row), over split s of the contraction: a load is g scale blocks of bn columns ([bn, g, 4], 16 g bytes contiguous
-    a column) and their scales [bn, g]; each of a word's 8 nibbles decoded (e2m1 from the bits), times its scale
-    (the weights exactly as dequantised: 6 * 2^127 is inf there too), times its x, summed in fp32; sub loads a
-    loop step."""
+    a column) and their scales [bn, g]; each of a word's 8 nibbles decoded times its scale (`e2m1_planes`: the
+    weights exactly as dequantised, 6 * 2^127 is inf there too), times its x, summed in fp32; sub loads a loop
+    step."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e, cols = ids_ref[i], pl.ds(j * bn, bn)
 
@@ -198,10 +235,10 @@ def _fp4_kernel(x_ref, w_ref, s_ref, ids_ref, o_ref, *, steps: int, bn: int, sub
         for u in range(sub):
             kb = ((s * steps + t) * sub + u) * g  # the first scale block
             words = w_ref[e, cols, pl.ds(kb, g), :]  # [bn, g, 4] int32
-            scale = qdq.e8m0_to_f32(s_ref[e, cols, pl.ds(kb, g)])[:, :, None]  # [bn, g, 1]
-            for q in range(8):  # the arithmetic shift's sign bits fall outside the & 15
+            scale = jnp.broadcast_to(qdq.e8m0_to_f32(s_ref[e, cols, pl.ds(kb, g)])[:, :, None], words.shape)
+            for q, wq in enumerate(e2m1_planes(words, scale, asm)):
                 xq = x_ref[q, i, pl.ds(kb, g), :].astype(F32)[None]  # [1, g, 4]
-                acc = acc + (e2m1_bits((words >> (4 * q)) & 15) * scale) * xq
+                acc = acc + wq.astype(F32) * xq
         return acc
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, g, 4), F32))

@@ -145,6 +145,12 @@ def _in_place(stack, name):
     return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), whole), stack[1] * jax.tree.leaves(whole)[0].shape[1]
 
 
+def lone(p):
+    """`sparse`'s stack for a layer that is not scanned (its own params, as MTP blocks): its experts as a stack of
+    one, so that the kernels read them as they do a scanned layer's (a leading axis of 1 moves no bytes)."""
+    return {k: jax.tree.map(lambda v: v[None], p[k]) for k in ("w_gate", "w_up", "w_down")}, 0
+
+
 def _kernel_mats(x, stack):
     """The three expert matrices as `windowed.matmul` reads them (`_in_place`), if it runs on all of them: given the
     stack (none on a mesh), on the GPU, for widths and offsets it takes; else None."""

@@ -97,3 +97,21 @@ def test_moe_block_kernel_on_equals_off(monkeypatch, fmt):
     off = jax.jit(lambda p, x, s: moe.sparse(spec, p, x, stack=s))(p | layers[1], x, stack)
     on, off = np.asarray(on, np.float32), np.asarray(off, np.float32)
     np.testing.assert_allclose(on, off, atol=2e-2 * np.abs(off).max(), rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [4, 200], ids=["gathered", "windowed"])
+def test_moe_block_alone_through_the_kernels(tokens):
+    """A layer that is not scanned (an MTP block) given `moe.lone(p)`: the kernels (gathered at 4 tokens x top-8,
+    windowed at 200) equal the XLA paths it took without a stack, FP4 experts."""
+    from tests.test_moe import make_params, spec_of
+
+    E, D, I = 256, 512, 256
+    spec = spec_of(E, 8, "softmax_topk", True, shared=256, I=I)
+    k = jax.random.split(jax.random.key(6), 4)
+    p = jax.tree.map(lambda a: a.astype(BF16), make_params(spec, 1, d=D)) | {
+        "w_gate": fp4(k[0], E, I, D, 118, 124), "w_up": fp4(k[1], E, I, D, 118, 124),
+        "w_down": fp4(k[2], E, D, I, 118, 124)}
+    x = jax.random.normal(k[3], (tokens, D), jnp.float32).astype(BF16)
+    on = np.asarray(jax.jit(lambda p, x: moe.sparse(spec, p, x, stack=moe.lone(p)))(p, x), np.float32)
+    off = np.asarray(jax.jit(functools.partial(moe.sparse, spec))(p, x), np.float32)
+    np.testing.assert_allclose(on, off, atol=2e-2 * np.abs(off).max(), rtol=0)
