@@ -210,12 +210,12 @@ _E2M1_PTX = [_e2m1_ptx(q) for q in range(8)]
 
 
 def e2m1_planes(words, scale, asm: bool):
-    """int32 words of 8 e2m1 codes and their fp32 scales (same shape) -> 8 bf16 arrays: nibble q of each word times
-    its scale, exactly the dequantised weight (e2m1 times a power of two fits bf16's mantissa; bf16 overflows where
-    fp32 does). asm: on the GPU, two codes to a 32-bit op (`_e2m1_ptx`, ~4 ops a weight after ptxas shares the
-    scale and byte moves between nibbles); else from `e2m1_bits`."""
+    """int32 words of 8 e2m1 codes and their fp32 scales (same shape) -> 8 arrays: nibble q of each word times its
+    scale, exactly the dequantised weight. asm: on the GPU, in bf16 (e2m1 times a power of two fits its mantissa, and
+    it overflows where fp32 does), two codes to a 32-bit op (`_e2m1_ptx`, ~4 ops a weight once ptxas shares the
+    scale and byte moves between nibbles); else in fp32 from `e2m1_bits`."""
     if not asm:
-        return [(e2m1_bits((words >> (4 * q)) & 15) * scale).astype(jnp.bfloat16) for q in range(8)]
+        return [e2m1_bits((words >> (4 * q)) & 15) * scale for q in range(8)]
     from jax.experimental.pallas import triton as plgpu  # (Pallas' lowering keeps one result of an asm block)
     out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
     return [plgpu.elementwise_inline_asm(ptx, args=[words, scale], constraints="=r,r,r,f,f", pack=2,
