@@ -1,9 +1,7 @@
 """Decode and prefill through the public API (`jm.generate`, `M.prefill` jitted with `M.COMPILER_OPTIONS`) on
 the GPU, each stage in its own process. Stages: llama (Llama-3.1-8B shape), gpt_oss (GPT-OSS-20B shape, bf16
 experts), *_triton (the same with XLA's Triton GEMMs, the old default), *_merge (with XLA's dot merger, the old
-default), *_onerow (`gemm.dot` off: one decode row against a small weight left to XLA, which strength-reduces
-it over a transposed copy of the weight), *_short (today's defaults, the two short cases only, beside a variant's),
-depth2 / depth32 (first generate() call).
+default), depth2 / depth32 (first generate() call).
 
     python3 benchmarks/decode_probe.py --out $OUT [--stages llama,gpt_oss,...] [--tiny]
 """
@@ -38,15 +36,10 @@ def child(a):
         opts["xla_gpu_enable_triton_gemm"] = True
     if name.endswith("_merge"):  # XLA's dot merger on (the old default: one GEMM of q/k/v over wq|wk|wv copied)
         opts.pop("xla_disable_hlo_passes")
-    if name.endswith("_onerow"):
-        from jaxmodels.layers import gemm
-        gemm.XLA_SMALL_DOT = 0
     if name.endswith(("_triton", "_merge")):
         G._generate = jax.jit(G._generate.__wrapped__, compiler_options=opts,
                               static_argnames=("cfg", "max_new", "sampling", "max_len", "unroll", "shard"))
     hf = dict(GPT_OSS_20B if name.startswith("gpt_oss") else LLAMA31_8B)
-    if a.layers:
-        hf["num_hidden_layers"] = a.layers
     if name.startswith("depth"):
         hf["num_hidden_layers"] = int(name[5:])
     if a.tiny:
@@ -131,15 +124,14 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--child")
     ap.add_argument("--stages", default=STAGES)
-    ap.add_argument("--layers", type=int, default=0, help="depth of the llama / gpt_oss stages (0: the model's)")
     a = ap.parse_args()
     if a.child:
         return child(a)
     os.makedirs(a.out, exist_ok=True)
     for name in a.stages.split(","):
         env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        subprocess.run([sys.executable, __file__, "--out", a.out, "--child", name, "--layers", str(a.layers)]
-                       + (["--tiny"] if a.tiny else []), env=env, check=False)
+        subprocess.run([sys.executable, __file__, "--out", a.out, "--child", name] + (["--tiny"] if a.tiny else []),
+                       env=env, check=False)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmodels.layers import decode_attention, gemm, rope
+from jaxmodels.layers import decode_attention, rope
 from jaxmodels.layers.norms import norm
 
 F32 = jnp.float32
@@ -191,7 +191,7 @@ def decode_reference(q, cache, last, *, window, scale: float, softcap=None, sink
 
 def project(cfg, a, p, h, ctx):
     """h [B, T, D] (normed) -> q [B, T, H, d], k and v [B, T, K, d]: projections, biases, qk-norm, RoPE."""
-    q, k, v = (gemm.dot(h, p[n]) for n in ("wq", "wk", "wv"))
+    q, k, v = (jnp.tensordot(h, p[n], axes=1) for n in ("wq", "wk", "wv"))
     if a.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if a.qk_norm:
@@ -246,7 +246,7 @@ def gqa(cfg, a, p, h, ctx, cache):
             o = causal(q, k, v, scale=scale, window=a.window, sinks=p.get("sinks"))
         else:
             o = attend(q, k, v, mask(pos, pos, a.window), scale=scale, softcap=a.softcap, sinks=p.get("sinks"))
-    out = gemm.dot(o, p["wo"], axes=2)
+    out = jnp.einsum("bthd,hdo->bto", o, p["wo"])
     return out + p["bo"] if a.out_bias else out
 
 

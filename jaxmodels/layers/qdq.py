@@ -32,8 +32,6 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from jaxmodels.layers import gemm
-
 F32 = jnp.float32
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -277,5 +275,5 @@ def linear(x, w, act_block: int | None = None):
     else:
         xw = x
         wt = dequant(w, x.dtype) if isinstance(w, dict) else w.astype(x.dtype)
-    out = jnp.einsum("...i,oi->...o", xw, wt) if isinstance(w, dict) else gemm.dot(xw, wt)
+    out = jnp.einsum("...i,oi->...o" if isinstance(w, dict) else "...i,io->...o", xw, wt)
     return out.astype(x.dtype)
