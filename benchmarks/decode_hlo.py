@@ -19,12 +19,15 @@ MOVES = re.compile(r"^\s*(ROOT )?(%?[\w.-]+) = (\w+)\[([\d,]*)\](?:\{[^}]*\})? (
 
 
 def big_moves(text: str, min_bytes: int) -> list[dict]:
-    """Instructions of the optimized HLO that are transposes, copies or fusions named like them (wrapped_transpose,
-    copy_fusion, ...) with an output of at least min_bytes, with their metadata's op_name and source line."""
+    """Instructions of the optimized HLO (outside fusion bodies: a fusion is listed once) that are transposes, copies
+    or fusions named like them (wrapped_transpose, copy_fusion, ...) with an output of at least min_bytes, with
+    their metadata's op_name and source line."""
     size = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u8": 1, "s8": 1, "pred": 1, "u32": 4}
-    out = []
+    out, fused = [], False
     for line in text.splitlines():
-        m = MOVES.match(line)
+        if head := re.match(r"^(ENTRY )?%?([\w.-]+) \(", line):  # a computation: skip the bodies of fusions
+            fused = head.group(1) is None and ("fused" in head.group(2) or "computation" in head.group(2))
+        m = None if fused else MOVES.match(line)
         if not m:
             continue
         name, dt, dims, op = m.group(2), m.group(3), m.group(4), m.group(5)

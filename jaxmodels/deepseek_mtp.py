@@ -51,8 +51,11 @@ def _ctx(cfg, positions):
 def _block(cfg, lp, X, pre, attn, tokens, ctx):
     """One mHC block of the MTP layer spec with the given attention callable; returns (X, its FFN pre-mix)."""
     spec, eps = cfg.mtp.layer, cfg.norm_eps
+    # the experts through the GPU kernels as the main layers' (`moe.lone`), but only on one device: the drafter is
+    # not told of a mesh, and XLA would gather a sharded stack to every device for a kernel (no partitioning rule)
+    stack = moe.lone(lp["mlp"]) if jax.device_count() == 1 else None
     ffn = lambda h: moe.sparse(spec.mlp, lp["mlp"], norm(h, lp["mlp_norm"], eps, spec.norm), None, tokens,  # noqa: E731
-                               ctx["act_block"], moe.lone(lp["mlp"]))  # the GPU kernels, as the main layers take
+                               ctx["act_block"], stack)
     return mhc.block(X, pre, lp["hc_attn"], lp["hc_mlp"], lambda h: attn(norm(h, lp["attn_norm"], eps, spec.norm)),
                      ffn, spec.mhc, eps)
 

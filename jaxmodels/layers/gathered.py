@@ -188,7 +188,7 @@ def e2m1_bits(c):
 def asm_decode(interpret: bool) -> bool:
     """Whether the FP4 kernels decode with `_E2M1_PTX` (compiled on the GPU, unless JAXMODELS_ASM_DECODE=0, read when
     traced) or with `e2m1_bits` (the interpreter, which runs no PTX). H100, one V4.1-Flash layer's matrix: the
-    windows 1.10x faster (2.44 -> 2.20 ms at 768 rows), the gathered kernel 1.26-1.33x (BENCHMARKS.md)."""
+    windows 1.06-1.12x faster (2.44 -> 2.20 ms at 768 rows), the gathered kernel 1.21-1.39x (BENCHMARKS.md)."""
     return not interpret and os.environ.get("JAXMODELS_ASM_DECODE", "1") != "0"
 
 
@@ -214,8 +214,10 @@ def e2m1_planes(words, scale, asm: bool):
     """int32 words of 8 e2m1 codes and their fp32 scales (same shape) -> 8 arrays: nibble q of each word times its
     scale, exactly the dequantised weight. asm: on the GPU, in bf16 (e2m1 times a power of two fits its mantissa, and
     it overflows where fp32 does), two codes to a 32-bit op (`_e2m1_ptx`, ~4 ops a weight once ptxas shares the
-    scale and byte moves between nibbles); else in fp32 from `e2m1_bits`."""
-    if not asm:
+    scale and byte moves between nibbles); else in fp32 from `e2m1_bits`. The PTX takes two elements a call, so it
+    needs at least two a thread of the kernels' 4 warps (Triton aborts the process otherwise): smaller loads (the
+    gathered kernel's [16 or 32, 1, 4] words at odd widths) decode plainly."""
+    if not asm or words.size < 2 * 32 * 4:
         return [e2m1_bits((words >> (4 * q)) & 15) * scale for q in range(8)]
     from jax.experimental.pallas import triton as plgpu  # (Pallas' lowering keeps one result of an asm block)
     out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)

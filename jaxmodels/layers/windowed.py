@@ -126,7 +126,8 @@ def _kernel_matmul(xw, w, lay, first, interpret):
     if isinstance(w, dict):
         N, blocks = w["fp4"].shape[1], K // gathered.FP4_BLOCK
         nbk = 8 if blocks % 8 == 0 else 4  # scale blocks a step: 32 or 16 words a column
-        kernel = functools.partial(_fp4_kernel, steps=blocks // nbk, nbk=nbk, W=W, asm=gathered.asm_decode(interpret))
+        kernel = functools.partial(_fp4_kernel, steps=blocks // nbk, nbk=nbk, W=W,
+                                   asm=gathered.asm_decode(interpret))
         words = gathered._words(w["fp4"]).reshape(*w["fp4"].shape[:2], blocks, 4)
         operands = (jnp.moveaxis(xw.reshape(-1, K // 8, 8), -1, 0), words, w["scale"])  # x by nibble: [8, PW, K/8]
     else:
@@ -189,8 +190,8 @@ def _kernel(e_ref, n_ref, x_ref, w_ref, o_ref, *, steps: int, bk: int, W: int):
 def _fp4_kernel(e_ref, n_ref, xq_ref, w_ref, s_ref, o_ref, *, steps: int, nbk: int, W: int, asm: bool):
     """Window p times columns j*bn .. of its packed expert, viewed [N, K/32, 4] words: a step decodes nbk scale
     blocks of bn columns ([bn, nbk, 4] words, 16 nbk bytes contiguous a column) exactly as `qdq.dequant`
-    (`gathered.e2m1_planes`: e2m1 times the E8M0 scale, then in the rows' dtype), and for each nibble q multiplies the decoded [bn, 4 nbk]
-    plane with the rows' elements 8p + q (xq [8, P*W, K/8])."""
+    (`gathered.e2m1_planes`: e2m1 times the E8M0 scale, then in the rows' dtype), and for each nibble q multiplies
+    the decoded [bn, 4 nbk] plane with the rows' elements 8p + q (xq [8, P*W, K/8])."""
     p, j = pl.program_id(0), pl.program_id(1)
     bn = o_ref.shape[1]
     e, rows, cols = e_ref[p], pl.ds(p * W, W), pl.ds(j * bn, bn)

@@ -2,9 +2,10 @@
 
     JAX_PLATFORMS=cuda python -m pytest tests/gpu/test_fp4_decode_gpu.py -q
 
-Every e2m1 code at every nibble of a word, times every E8M0 scale byte (0: the subnormal 2^-127, 254: 2^127, where
-codes past 1.5 overflow to inf, 255: NaN), bit for bit against `qdq.FP4_TABLE` times 2^(byte - 127) in float64
-rounded to bf16 (ml_dtypes), and the interpreter's decode (`e2m1_bits`, asm off) against the same table."""
+Every e2m1 code at every nibble times every E8M0 scale byte (0: the subnormal 2^-127, 254: 2^127, where codes past
+1.5 overflow to inf, 255: NaN), each word with its own scale (so that a pair's two scales must not be swapped), and
+random words besides, bit for bit against `qdq.FP4_TABLE` times 2^(byte - 127) in float64 rounded to bf16
+(ml_dtypes); the plain decode (`e2m1_bits`, asm off) compiled on the GPU against the same table."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -35,16 +36,19 @@ def same_bits(got, want):
 @pytest.mark.parametrize("asm", [True, False], ids=["ptx", "bits"])
 def test_every_code_at_every_nibble_times_every_scale_byte(asm):
     rng = np.random.default_rng(0)
-    R, G = 256, 8  # rows x scale blocks, 4 words a block
-    words = rng.integers(0, 2 ** 32, (R, G, 4), dtype=np.uint32)
-    words[:16, 0, 0] = np.uint32(0x11111111) * np.arange(16, dtype=np.uint32)  # each code at all 8 nibbles
-    scale_bytes = np.broadcast_to((np.arange(R * G) % 256).astype(np.uint8).reshape(R, G)[:, :, None], words.shape)
+    R, G = 256, 8  # rows x scale blocks, 4 words a block: 8192 words
+    n = R * G * 4
+    every = np.uint32(0x11111111) * (np.arange(n // 2, dtype=np.uint32) % 16)  # code c at all 8 nibbles ...
+    every_byte = (np.arange(n // 2) // 16 % 256).astype(np.uint8)  # ... for each scale byte: every triple
+    words = np.concatenate([every, rng.integers(0, 2 ** 32, n // 2, dtype=np.uint32)])
+    scale_bytes = np.concatenate([every_byte, rng.integers(0, 256, n // 2).astype(np.uint8)])
+    order = rng.permutation(n)  # neighbours (a PTX call's pair) from both halves, with different scales
+    words, scale_bytes = words[order].reshape(R, G, 4), scale_bytes[order].reshape(R, G, 4)
 
     def kernel(w_ref, s_ref, o_ref):
         for q, plane in enumerate(gathered.e2m1_planes(w_ref[...], s_ref[...], asm)):
             o_ref[q] = plane.astype(o_ref.dtype)  # (bf16 from the PTX, fp32 otherwise: exact either way)
 
-    scale = qdq.e8m0_to_f32(jnp.asarray(np.ascontiguousarray(scale_bytes)))
     got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, R, G, 4), jnp.bfloat16))(
-        jnp.asarray(words.view(np.int32)), scale)
+        jnp.asarray(words.view(np.int32)), qdq.e8m0_to_f32(jnp.asarray(scale_bytes)))
     same_bits(got, table(words, scale_bytes))

@@ -112,6 +112,8 @@ def test_moe_block_alone_through_the_kernels(tokens):
         "w_gate": fp4(k[0], E, I, D, 118, 124), "w_up": fp4(k[1], E, I, D, 118, 124),
         "w_down": fp4(k[2], E, D, I, 118, 124)}
     x = jax.random.normal(k[3], (tokens, D), jnp.float32).astype(BF16)
-    on = np.asarray(jax.jit(lambda p, x: moe.sparse(spec, p, x, stack=moe.lone(p)))(p, x), np.float32)
+    kernels = jax.jit(lambda p, x: moe.sparse(spec, p, x, stack=moe.lone(p)))
+    assert "triton" in kernels.lower(p, x).as_text()  # the Pallas (Triton) kernels, not the XLA paths
+    on = np.asarray(kernels(p, x), np.float32)
     off = np.asarray(jax.jit(functools.partial(moe.sparse, spec))(p, x), np.float32)
     np.testing.assert_allclose(on, off, atol=2e-2 * np.abs(off).max(), rtol=0)
