@@ -218,7 +218,7 @@ def e2m1_planes(words, scale, asm: bool):
     needs at least two a thread of the kernels' 4 warps (Triton aborts the process otherwise): smaller loads (the
     gathered kernel's [16 or 32, 1, 4] words at odd widths) decode plainly."""
     if not asm or words.size < 2 * 32 * 4:
-        return [e2m1_bits((words >> (4 * q)) & 15) * scale for q in range(8)]
+        return [e2m1_bits((words >> (4 * q)) & 15) * scale for q in range(8)]  # (the shift's sign bits: past & 15)
     from jax.experimental.pallas import triton as plgpu  # (Pallas' lowering keeps one result of an asm block)
     out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
     return [plgpu.elementwise_inline_asm(ptx, args=[words, scale], constraints="=r,r,r,f,f", pack=2,
