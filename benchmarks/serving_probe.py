@@ -62,7 +62,7 @@ def _host_only(engine, steps: int, tok) -> dict:
     P = R.bucket(len(engine.scheduler.running), 8, cap=engine.runner.rows - 1)
     text = "The quick brown fox jumps over the lazy dog; a stub stands in for the model. " * 8
     ids = np.array(tok.encode(text, add_special_tokens=False) if tok is not None else np.arange(1000), np.int32)
-    ids = ids % engine.model.config.vocab_size
+    ids = np.resize(ids % engine.model.config.vocab_size, max(len(ids), 2 * P))  # enough for every row
     outs = itertools.cycle([jnp.asarray(np.roll(ids, -k)[:P]) for k in range(32)])
     original = R.step
     R.step = lambda params, cache, draft, counts, last, *a, **kw: (cache, draft, counts, last, (next(outs),))
