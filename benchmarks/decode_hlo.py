@@ -41,7 +41,8 @@ def big_moves(text: str, min_bytes: int) -> list[dict]:
         meta = re.search(r'op_name="([^"]*)"', line)
         src = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
         operands = line[m.end():].split(")", 1)[0][:160]
-        out.append({"name": name, "operands": operands, "shape": f"{dt}[{dims}]", "mbytes": round(n * size.get(dt, 4) / 1e6, 1),
+        out.append({"name": name, "operands": operands, "shape": f"{dt}[{dims}]",
+                    "mbytes": round(n * size.get(dt, 4) / 1e6, 1),
                     "op_name": meta.group(1)[-160:] if meta else None,
                     "source": f"{os.path.basename(src.group(1))}:{src.group(2)}" if src else None})
     return out

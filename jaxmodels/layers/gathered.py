@@ -211,16 +211,16 @@ _E2M1_PTX = [_e2m1_ptx(q) for q in range(8)]
 
 
 def e2m1_planes(words, scale, asm: bool):
-    """int32 words of 8 e2m1 codes and their fp32 scales (same shape) -> 8 arrays: nibble q of each word times its
-    scale, exactly the dequantised weight. asm: on the GPU, in bf16 (e2m1 times a power of two fits its mantissa, and
-    it overflows where fp32 does), two codes to a 32-bit op (`_e2m1_ptx`, ~4 ops a weight once ptxas shares the
-    scale and byte moves between nibbles); else in fp32 from `e2m1_bits`. The PTX takes two elements a call, so it
-    needs at least two a thread of the kernels' 4 warps (Triton aborts the process otherwise): smaller loads (the
-    gathered kernel's [16 or 32, 1, 4] words at odd widths) decode plainly."""
+    """int32 words of 8 e2m1 codes and their fp32 scales (broadcast to the words) -> 8 arrays: nibble q of each word
+    times its scale, exactly the dequantised weight. asm: on the GPU, in bf16 (e2m1 times a power of two fits its
+    mantissa, and it overflows where fp32 does), two codes to a 32-bit op (`_e2m1_ptx`, ~4 ops a weight once ptxas
+    shares the scale and byte moves between nibbles); else in fp32 from `e2m1_bits`. The PTX takes two elements a
+    call, so it needs at least two a thread of the kernels' 4 warps (Triton aborts the process otherwise): smaller
+    loads (the gathered kernel's [16 or 32, 1, 4] words at odd widths) decode plainly."""
     if not asm or words.size < 2 * 32 * 4:
         return [e2m1_bits((words >> (4 * q)) & 15) * scale for q in range(8)]  # (the shift's sign bits: past & 15)
     from jax.experimental.pallas import triton as plgpu  # (Pallas' lowering keeps one result of an asm block)
-    out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
+    scale, out = jnp.broadcast_to(scale, words.shape), jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
     return [plgpu.elementwise_inline_asm(ptx, args=[words, scale], constraints="=r,r,r,f,f", pack=2,
                                          result_shape_dtypes=[out])[0] for ptx in _E2M1_PTX]
 
@@ -238,7 +238,7 @@ def _fp4_kernel(x_ref, w_ref, s_ref, ids_ref, o_ref, *, steps: int, bn: int, sub
         for u in range(sub):
             kb = ((s * steps + t) * sub + u) * g  # the first scale block
             words = w_ref[e, cols, pl.ds(kb, g), :]  # [bn, g, 4] int32
-            scale = jnp.broadcast_to(qdq.e8m0_to_f32(s_ref[e, cols, pl.ds(kb, g)])[:, :, None], words.shape)
+            scale = qdq.e8m0_to_f32(s_ref[e, cols, pl.ds(kb, g)])[:, :, None]  # [bn, g, 1]
             for q, wq in enumerate(e2m1_planes(words, scale, asm)):
                 xq = x_ref[q, i, pl.ds(kb, g), :].astype(F32)[None]  # [1, g, 4]
                 acc = acc + wq.astype(F32) * xq

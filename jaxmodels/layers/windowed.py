@@ -199,7 +199,7 @@ def _fp4_kernel(e_ref, n_ref, xq_ref, w_ref, s_ref, o_ref, *, steps: int, nbk: i
     def body(t, acc):
         kb = t * nbk
         words = w_ref[e, cols, pl.ds(kb, nbk), :]  # [bn, nbk, 4] int32
-        scale = jnp.broadcast_to(qdq.e8m0_to_f32(s_ref[e, cols, pl.ds(kb, nbk)])[:, :, None], words.shape)
+        scale = qdq.e8m0_to_f32(s_ref[e, cols, pl.ds(kb, nbk)])[:, :, None]  # [bn, nbk, 1]
         for q, wq in enumerate(gathered.e2m1_planes(words, scale, asm)):
             wq = wq.astype(o_ref.dtype).reshape(bn, 4 * nbk)
             xq = xq_ref[q, rows, pl.ds(4 * kb, 4 * nbk)]  # [W, 4 nbk]
