@@ -37,8 +37,14 @@ def profile(cfg, params, B, context, slots, trace_dir, steps=8):
         logits, cache = step(params, cfg, tok, pos, cache)
     jax.block_until_ready(logits)
     jax.profiler.stop_trace()
+    return {"batch": B, "context": context, "slots": slots, "step_ms": round(wall * 1e3, 3)} | kernels(trace_dir, steps)
+
+
+def kernels(trace_dir, steps, top=30):
+    """The GPU kernels of the newest profiler trace under trace_dir (`steps` steps of one program), by name:
+    device-busy ms a step, kernels a step, and the `top` names by time."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    ev = json.load(gzip.open(sorted(files)[-1]))["traceEvents"]
+    ev = json.load(gzip.open(sorted(files, key=os.path.getmtime)[-1]))["traceEvents"]
     pids = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = [e for e in ev if e.get("ph") == "X" and e.get("dur") and "/device:GPU" in pids.get(e.get("pid"), "")
            and "Stream" in str(pids.get(e.get("pid")))]
@@ -49,11 +55,11 @@ def profile(cfg, params, B, context, slots, trace_dir, steps=8):
         by[e["name"]][0] += e["dur"]
         by[e["name"]][1] += 1
     busy = sum(v[0] for v in by.values()) / steps
-    top = sorted(by.items(), key=lambda kv: -kv[1][0])[:30]
-    return {"processes": sorted(set(pids.values()))[:20], "batch": B, "context": context, "slots": slots, "step_ms": round(wall * 1e3, 3),
-            "kernel_ms_per_step": round(busy / 1e3, 3), "kernels_per_step": round(sum(v[1] for v in by.values()) / steps),
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"processes": sorted(set(pids.values()))[:20], "kernel_ms_per_step": round(busy / 1e3, 3),
+            "kernels_per_step": round(sum(v[1] for v in by.values()) / steps),
             "top": [{"name": k[:120], "ms_per_step": round(v[0] / steps / 1e3, 4), "calls_per_step": v[1] / steps}
-                    for k, v in top]}
+                    for k, v in ranked]}
 
 
 def main():

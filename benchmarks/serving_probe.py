@@ -92,6 +92,13 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: host time, not device speed")
     ap.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
                     help="--tiny: without the tokenizer (no detokenization)")
+    ap.add_argument("--model", default="llama", choices=("llama", "gpt_oss"), help="the shape (not --tiny)")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens a row (not --tiny)")
+    ap.add_argument("--fp4", action="store_true", help="routed experts kept as FP4 bytes (MoE shapes)")
+    ap.add_argument("--moe", default="auto", choices=("auto", "windowed"),
+                    help="windowed: experts through `windowed` even where `grouped` takes them (<= 32 experts)")
+    ap.add_argument("--profile", help="a folder for a profiler trace of the paged step alone (kernels by name)")
+    ap.add_argument("--skip", default="", help="stages to leave out: contiguous,host_only")
     a = ap.parse_args()
     import jax
     import jax.numpy as jnp
@@ -99,9 +106,14 @@ def main():
 
     import jaxmodels as jm
     from benchmarks.bench_dense import LLAMA31_8B, TINY
+    from benchmarks.bench_moe import GPT_OSS_20B
     from jaxmodels import families, model as M
+    from jaxmodels.layers import moe
     from serving import Engine, EngineConfig, SamplingParams
     from serving import runner as R
+
+    if a.moe == "windowed":
+        moe.WINDOWED_EXPERTS = 0  # read when a step is traced
 
     tok, stop = None, ()
     if a.tiny:
@@ -116,12 +128,16 @@ def main():
         except Exception as e:  # noqa: BLE001 - the tokenizer is optional here
             print(f"no tokenizer ({type(e).__name__}: {e}): detokenization not measured", file=sys.stderr)
     else:
-        hf, dtype, L, prompt, new = LLAMA31_8B, jnp.bfloat16, 2048, 512, 1500
+        hf, dtype, L, prompt = GPT_OSS_20B if a.model == "gpt_oss" else LLAMA31_8B, jnp.bfloat16, 2048, a.prompt
+        new = L - prompt - 8
     cfg = families.config_from_hf(hf)
-    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=dtype, **({"std": 0.3} if a.tiny else {})))()
+    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=dtype, fp4_experts=a.fp4,
+                                           **({"std": 0.3} if a.tiny else {})))()
     model = jm.Model(cfg, params, tok)
     B, bs = a.rows, 16
-    engine = Engine(model, EngineConfig(max_num_seqs=B, max_model_len=L, block_size=bs, kv_blocks=B * L // bs + 64))
+    groups = R.groups_of(cfg, L, bs, dtype)[0]  # blocks for every row's full sequence in each pool
+    per_seq = max(sum(g.entries for g in groups if g.space == s) for s in {g.space for g in groups})
+    engine = Engine(model, EngineConfig(max_num_seqs=B, max_model_len=L, block_size=bs, kv_blocks=B * per_seq + 64))
     rng = np.random.default_rng(0)
     for i in range(B):
         engine.add(str(i), rng.integers(0, cfg.vocab_size, prompt).tolist(),
@@ -130,8 +146,9 @@ def main():
         engine.step()
     for _ in range(5):
         engine.step()
-    res = {"rows": B, "device": str(jax.devices()[0]), "model": "tiny (4 layers, width 64)" if a.tiny else "llama-8b",
-           "tokenizer": tok is not None}
+    res = {"rows": B, "device": str(jax.devices()[0]), "jax": jax.__version__, "prompt": prompt,
+           "model": "tiny (4 layers, width 64)" if a.tiny else {"llama": "llama-8b", "gpt_oss": "gpt-oss-20b"}[a.model],
+           "experts": "fp4" if a.fp4 else "bf16", "moe": a.moe, "tokenizer": tok is not None}
     # steady decode, the overlap off / on / off again (the context grows meanwhile: the two "off" bracket "on")
     res["sync"] = _measure(engine, a.steps, False)
     res["async"] = _measure(engine, a.steps, True)
@@ -170,7 +187,15 @@ def main():
     res["paged_step_alone_ms"] = timed(paged)
     res["paged_step_synced_ms"] = timed(paged, sync_each=True)
     res["host_share_sync"] = round(res["sync"]["host_ms_p50"] / res["sync"]["step_ms_p50"], 3)
-    if not a.tiny:
+    res["context_at_end"] = int(np.mean([r.computed for r in engine.scheduler.running]))
+    if a.profile:
+        from benchmarks.profile_decode import kernels
+
+        jax.profiler.start_trace(a.profile)
+        jax.block_until_ready([paged() for _ in range(8)])
+        jax.profiler.stop_trace()
+        res["paged_step_kernels"] = kernels(a.profile, 8)
+    if not a.tiny and "contiguous" not in a.skip:
         cache = M.init_cache(cfg, B, L, dtype)
         dec = jax.jit(M.decode_step, static_argnums=1, donate_argnums=4, compiler_options=M.COMPILER_OPTIONS)
         tok_in, pos = jnp.zeros(B, jnp.int32), jnp.full(B, prompt + 100, jnp.int32)
@@ -181,13 +206,19 @@ def main():
             return logits
 
         res["contiguous_decode_ms"] = timed(contiguous)
-        weights = sum(x.nbytes for x in jax.tree.leaves(params))
-        kv = 2 * cfg.num_layers * B * 640 * cfg.num_kv_heads * cfg.head_dim * 2  # the live context only
-        res["roofline_ms_at_4.8TBps"] = round(1e3 * (weights + kv) / 4.8e12, 2)
-    res["host_only"] = _host_only(engine, a.steps, tok)
+    if not a.tiny:  # a step reads every weight but the embedding table (all experts: 4 x 256 rows hit each) + live KV
+        ctx = res["context_at_end"]
+        weights = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed"].nbytes
+        kv = sum(2 * B * min(ctx, ls.attention.window or ctx) * cfg.num_kv_heads * cfg.head_dim * 2 for ls in cfg.layers)
+        peak = {"H100": 3.35e12, "H200": 4.8e12}.get(next((k for k in ("H100", "H200") if k in res["device"]), ""))
+        res |= {"weights_gb": round(weights / 1e9, 2), "kv_gb": round(kv / 1e9, 2),
+                "roofline_ms": peak and round(1e3 * (weights + kv) / peak, 2), "peak_bytes_s": peak}
+    if "host_only" not in a.skip:
+        res["host_only"] = _host_only(engine, a.steps, tok)
     print(json.dumps(res), flush=True)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "serving_probe_tiny.json" if a.tiny else "serving_probe.json"), "w") as f:
+    name = "tiny" if a.tiny else f"{a.model}_{B}r" + ("_fp4" if a.fp4 else "") + ("_windowed" if a.moe == "windowed" else "")
+    with open(os.path.join(a.out, f"serving_probe_{name}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 

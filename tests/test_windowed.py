@@ -90,7 +90,8 @@ def test_bf16_kernel_equals_grouped_products(sizes, K, N, W):
 
 
 @pytest.mark.parametrize("sizes", SIZES[:2] + SIZES[3:])
-@pytest.mark.parametrize("K,N", [(256, 32), (384, 16), (128, 64)])  # 8, 12 (steps of 4) and 4 scale blocks
+@pytest.mark.parametrize("K,N", [(256, 32), (384, 16), (128, 64),  # 8, 12 (steps of 4) and 4 scale blocks
+                                 (320, 16), (96, 32)])  # 10 and 3: a last step masked past the row (GPT-OSS: 90)
 def test_fp4_kernel_equals_dequant_then_grouped_products(sizes, K, N):
     rng = np.random.default_rng(K * N + sum(sizes))
     x = jnp.asarray(rng.normal(size=(70, K)), BF16)
@@ -155,31 +156,36 @@ def test_gradients_equal_the_grouped_products(fmt):
 
 
 def test_widths_it_does_not_tile_take_the_reference(monkeypatch):
-    """FP4 with 6 scale blocks (K 192) or float32 rows: `matmul(interpret=True)` runs the reference loop."""
+    """FP4 with 8 columns (the kernel's blocks hold 16) or float32 rows: `matmul(interpret=True)` runs the
+    reference loop."""
     rng = np.random.default_rng(8)
     calls = []
     monkeypatch.setattr(windowed, "_kernel_matmul", lambda *a: calls.append(1))
-    for x, w in [(jnp.ones((8, 192), BF16), fp4_experts(rng, 2, 16, 192)),
+    for x, w in [(jnp.ones((8, 192), BF16), fp4_experts(rng, 2, 8, 192)),
                  (jnp.ones((8, 64), F32), jnp.ones((2, 64, 32), F32))]:
         lay = windowed.layout(jnp.asarray([3, 5], jnp.int32), 8, 16)
         assert windowed.matmul(windowed.spread(x, lay), w, lay, interpret=True).shape[0] == lay.expert.shape[0] * 16
     assert not calls and not windowed.fits(jnp.ones((8, 64), BF16), jnp.ones((2, 64, 32), BF16))  # CPU: never
 
 
-def kernel_in_moe(monkeypatch):
-    """moe's windows through the interpreted kernel (as on the GPU), counting its calls."""
+def kernel_in_moe(monkeypatch, few_experts_too=True):
+    """moe's windows through the interpreted kernel (as on the GPU), counting its calls; few_experts_too: for
+    bf16 experts at counts `grouped` takes too (FP4 experts take the windows there anyway)."""
     calls, inner = [], windowed.matmul
-    monkeypatch.setattr(moe, "WINDOWED_EXPERTS", 0)
+    if few_experts_too:
+        monkeypatch.setattr(moe, "WINDOWED_EXPERTS", 0)
     monkeypatch.setattr(moe.windowed, "fits", windowed._tiles)
     monkeypatch.setattr(moe.windowed, "matmul", lambda *a: calls.append(1) or inner(*a, interpret=True))
     return calls
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp4", "fp4 (8 experts)"])
 def test_moe_through_the_kernel_equals_dense(monkeypatch, fmt):
     """`moe.sparse` (bf16 rows, hot and empty experts, expert biases) through the kernel, this layer read from
-    every layer's stack: equal to `moe.dense` over the same (dequantised) experts in float32."""
-    calls = kernel_in_moe(monkeypatch)
+    every layer's stack: equal to `moe.dense` over the same (dequantised) experts in float32. FP4 experts take it
+    at 8 experts too, where `grouped` would expand every expert (GPT-OSS's 32)."""
+    calls = kernel_in_moe(monkeypatch, few_experts_too=fmt != "fp4 (8 experts)")
+    fmt = fmt.split()[0]
     E, D, I = 8, 128, 128
     spec = spec_of(E, 2, "softmax_topk", True, router_bias=True, bias=True, shared=16, I=I)
     p, x = forced(spec, [30.0 if e in (1, 6) else -30.0 if e in (0, 7) else 0.0 for e in range(E)], n=23, d=D)

@@ -103,23 +103,27 @@ def _routed(spec, p, xt, w, idx, first, stack=None):
     """Sum of the assignments to the experts in `p` (global ids first ..); other assignments add 0.
 
     Few assignments (tokens * top_k <= experts: decode) read only their experts' weights (`_gathered`); more go
-    sorted by expert through one grouped matmul per matrix (`_windowed` past 32 experts). Experts kept quantized
-    gather just their bytes there; on the grouped path up to 32 experts expand every expert once, past it the
-    windows decode their experts' FP4 inside the kernel (on the GPU) or one expert a loop step.
+    sorted by expert through one grouped matmul per matrix (`_windowed` past 32 experts, and for FP4 experts where
+    its kernel runs). Experts kept quantized gather just their bytes there; the windows' kernel decodes their FP4 in
+    registers, its loop one expert a step; on the grouped path (<= 32 experts off the kernel) every expert is
+    expanded once.
     """
     E = jax.tree.leaves(p["w_gate"])[0].shape[0]
+    quantized = isinstance(p["w_gate"], dict)
     local = idx - first
     mine = (local >= 0) & (local < E)
     w = jnp.where(mine, w, 0)
+    # the windows' kernel: past the grouped kernels' experts, and for FP4 experts at any count (it decodes them
+    # in registers; the grouped path expands every expert to bf16 first)
+    mats = _kernel_mats(xt, stack) if E > WINDOWED_EXPERTS or quantized else None
     # FP4 windows through the kernel beat an expert read per row from about E/2 rows on (H100, BENCHMARKS.md)
-    mats = _kernel_mats(xt, stack) if E > WINDOWED_EXPERTS else None
-    if xt.shape[0] * spec.top_k <= (E // 2 if mats is not None and isinstance(p["w_gate"], dict) else E):
+    if xt.shape[0] * spec.top_k <= (E // 2 if mats is not None and quantized else E):
         return _gathered(spec, p, xt, w, jnp.clip(local, 0, E - 1), stack)
     flat = jnp.where(mine, local, E).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token, sorted_e = order // spec.top_k, flat[order]
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
-    if E > WINDOWED_EXPERTS:
+    if E > WINDOWED_EXPERTS or mats is not None:
         y = _windowed(spec, p, xt[token], sizes, stack, mats)
     else:
         if isinstance(p["w_gate"], dict):  # expand every expert once, [E, in, out]

@@ -93,8 +93,8 @@ def reference(xw, w, lay: Layout, first=0):
 def _tiles(x, w) -> bool:
     if x.ndim != 2 or x.dtype not in gathered.HALF:
         return False
-    if isinstance(w, dict):  # FP4 only: a step decodes 4 or 8 scale blocks (16 or 32 words a column)
-        return "fp4" in w and w["fp4"].shape[1] % 16 == 0 and (2 * w["fp4"].shape[2] // gathered.FP4_BLOCK) % 4 == 0
+    if isinstance(w, dict):  # FP4 only: columns in blocks of 16, whole scale blocks (a step decodes 4 or 8)
+        return "fp4" in w and w["fp4"].shape[1] % 16 == 0 and (2 * w["fp4"].shape[2]) % gathered.FP4_BLOCK == 0
     return getattr(w, "ndim", 0) == 3 and w.dtype == x.dtype and w.shape[1] % 32 == 0 and w.shape[2] % 32 == 0
 
 
@@ -126,8 +126,7 @@ def _kernel_matmul(xw, w, lay, first, interpret):
     if isinstance(w, dict):
         N, blocks = w["fp4"].shape[1], K // gathered.FP4_BLOCK
         nbk = 8 if blocks % 8 == 0 else 4  # scale blocks a step: 32 or 16 words a column
-        kernel = functools.partial(_fp4_kernel, steps=blocks // nbk, nbk=nbk, W=W,
-                                   asm=gathered.asm_decode(interpret))
+        kernel = functools.partial(_fp4_kernel, blocks=blocks, nbk=nbk, W=W, asm=gathered.asm_decode(interpret))
         words = gathered._words(w["fp4"]).reshape(*w["fp4"].shape[:2], blocks, 4)
         operands = (jnp.moveaxis(xw.reshape(-1, K // 8, 8), -1, 0), words, w["scale"])  # x by nibble: [8, PW, K/8]
     else:
@@ -187,23 +186,45 @@ def _kernel(e_ref, n_ref, x_ref, w_ref, o_ref, *, steps: int, bk: int, W: int):
     _finish(n_ref, o_ref, lambda: jax.lax.fori_loop(0, steps, body, jnp.zeros((W, bn), F32)))
 
 
-def _fp4_kernel(e_ref, n_ref, xq_ref, w_ref, s_ref, o_ref, *, steps: int, nbk: int, W: int, asm: bool):
+def _fp4_kernel(e_ref, n_ref, xq_ref, w_ref, s_ref, o_ref, *, blocks: int, nbk: int, W: int, asm: bool):
     """Window p times columns j*bn .. of its packed expert, viewed [N, K/32, 4] words: a step decodes nbk scale
     blocks of bn columns ([bn, nbk, 4] words, 16 nbk bytes contiguous a column) exactly as `qdq.dequant`
     (`gathered.e2m1_planes`: e2m1 times the E8M0 scale, then in the rows' dtype), and for each nibble q multiplies
-    the decoded [bn, 4 nbk] plane with the rows' elements 8p + q (xq [8, P*W, K/8])."""
+    the decoded [bn, 4 nbk] plane with the rows' elements 8p + q (xq [8, P*W, K/8]). A row of `blocks` scale
+    blocks that nbk does not divide (GPT-OSS's 2880: 90) ends in one step whose loads past the row are masked to
+    zeros (Triton's dots need 16 along the contraction, so a step cannot shrink to the rest)."""
     p, j = pl.program_id(0), pl.program_id(1)
     bn = o_ref.shape[1]
     e, rows, cols = e_ref[p], pl.ds(p * W, W), pl.ds(j * bn, bn)
 
-    def body(t, acc):
+    def body(t, acc, masked=False):
         kb = t * nbk
-        words = w_ref[e, cols, pl.ds(kb, nbk), :]  # [bn, nbk, 4] int32
-        scale = qdq.e8m0_to_f32(s_ref[e, cols, pl.ds(kb, nbk)])[:, :, None]  # [bn, nbk, 1]
+
+        def load(ref, index, shape, limit):
+            """ref[index] of `shape`; in the masked step zeros where dimension 1 (scale blocks, or xq's columns),
+            whose slice starts at kb scaled to its size, reaches `limit`."""
+            if not masked:
+                return ref[index]
+            from jax.experimental.pallas import triton as plgpu
+
+            at = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + kb * (shape[1] // nbk)
+            index = tuple(jnp.int32(i) if isinstance(i, int) else i for i in index)  # the interpreter's need
+            return plgpu.load(ref.at[index], mask=at < limit, other=0)
+
+        words = load(w_ref, (e, cols, pl.ds(kb, nbk), slice(None)), (bn, nbk, 4), blocks)  # int32
+        scale = qdq.e8m0_to_f32(load(s_ref, (e, cols, pl.ds(kb, nbk)), (bn, nbk), blocks))[:, :, None]
         for q, wq in enumerate(gathered.e2m1_planes(words, scale, asm)):
             wq = wq.astype(o_ref.dtype).reshape(bn, 4 * nbk)
-            xq = xq_ref[q, rows, pl.ds(4 * kb, 4 * nbk)]  # [W, 4 nbk]
+            xq = load(xq_ref, (q, rows, pl.ds(4 * kb, 4 * nbk)), (W, 4 * nbk), 4 * blocks)  # [W, 4 nbk]
             acc = acc + jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         return acc
 
-    _finish(n_ref, o_ref, lambda: jax.lax.fori_loop(0, steps, body, jnp.zeros((W, bn), F32)))
+    def accumulate():
+        steps, acc = blocks // nbk, jnp.zeros((W, bn), F32)
+        if steps:  # (traced even for no trip, and a row of fewer than nbk blocks has no whole step)
+            acc = jax.lax.fori_loop(0, steps, body, acc)
+        if blocks % nbk:  # a loop of one: its start is traced, and Pallas refuses static slices past a dimension
+            acc = jax.lax.fori_loop(steps, steps + 1, functools.partial(body, masked=True), acc)
+        return acc
+
+    _finish(n_ref, o_ref, accumulate)
