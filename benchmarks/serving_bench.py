@@ -3,7 +3,7 @@ random weights at real shapes. Each stage runs in its own process.
 
     python3 benchmarks/serving_bench.py --out $OUT [--stages tiny,gpt_oss,llama,hf_gpt_oss,hf_llama]
         [--requests 128] [--prompt 1024] [--new 1024] [--max-num-seqs 64] [--budget 2048] [--no-prefix-caching]
-        [--no-async-scheduling] [--warmup engine|run|none]
+        [--no-async-scheduling] [--warmup engine|run|none] [--fp4]
 
 Reports output tok/s (prefill included: all requests arrive at t=0), TTFT and inter-token latency p50/p99, steps,
 compiled shapes, the compile time of shapes first met inside the measured run (`compile_s_in_run`), and the
@@ -65,7 +65,7 @@ def child(a):
         hf["num_hidden_layers"] = 4
     cfg = families.config_from_hf(hf)
     t0 = time.perf_counter()
-    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=jnp.bfloat16))()
+    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=jnp.bfloat16, fp4_experts=a.fp4))()
     jax.block_until_ready(params)
     model = jm.Model(cfg, params, None)
     max_len = a.prompt + a.new
@@ -78,7 +78,8 @@ def child(a):
                                         kv_blocks=a.max_num_seqs * per_seq + 256, max_num_batched_tokens=a.budget,
                                         enable_prefix_caching=not a.no_prefix_caching,
                                         async_scheduling=not a.no_async_scheduling))
-    res = {"stage": name, "init_s": round(time.perf_counter() - t0, 1), "requests": a.requests, "prompt": a.prompt,
+    res = {"stage": name, "experts": "fp4" if a.fp4 else "bf16", "init_s": round(time.perf_counter() - t0, 1),
+           "requests": a.requests, "prompt": a.prompt,
            "new": a.new, "max_num_seqs": a.max_num_seqs, "budget": a.budget, "prefix_caching": engine.pool.prefix_caching,
            "max_chunk": engine.scheduler.max_chunk, "async_scheduling": engine.async_scheduling,
            "device": str(jax.devices()[0])}
@@ -124,7 +125,7 @@ def child(a):
             "compiled_shapes": len(engine.runner.shapes), "preemptions": engine.stats()["preemptions"]}
     assert tokens == a.requests * a.new, tokens
     print(json.dumps(res), flush=True)
-    tag = ("_nopc" if a.no_prefix_caching else "") + ("_sync" if a.no_async_scheduling else "") + \
+    tag = ("_fp4" if a.fp4 else "") + ("_nopc" if a.no_prefix_caching else "") + ("_sync" if a.no_async_scheduling else "") + \
         ("" if a.warmup == "engine" else f"_warm{a.warmup}")
     with open(os.path.join(a.out, f"serving_{name}_{a.requests}r{a.max_num_seqs}s{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -146,6 +147,7 @@ def main():
                     help="engine: Engine.warmup compiles every step shape first (default); run: a short run of "
                          "max-num-seqs requests compiles the shapes it meets; none: compiles land in the run")
     ap.add_argument("--no-async-scheduling", action="store_true", help="no host/device overlap (for comparison)")
+    ap.add_argument("--fp4", action="store_true", help="routed experts kept as FP4 bytes (GPT-OSS's MXFP4)")
     a = ap.parse_args()
     if a.child:
         return child(a)
@@ -154,7 +156,7 @@ def main():
         args = [sys.executable, __file__, "--child", stage, "--out", a.out, "--requests", str(a.requests),
                 "--prompt", str(a.prompt), "--new", str(a.new), "--max-num-seqs", str(a.max_num_seqs),
                 "--budget", str(a.budget), "--warmup", a.warmup] + ["--no-prefix-caching"] * a.no_prefix_caching + \
-            ["--no-async-scheduling"] * a.no_async_scheduling
+            ["--no-async-scheduling"] * a.no_async_scheduling + ["--fp4"] * a.fp4
         if stage == "tiny":
             args[args.index("--requests") + 1] = "16"
         try:

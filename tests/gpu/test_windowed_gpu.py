@@ -52,6 +52,20 @@ def test_flash_fp4_layer(M, N, K):
     np.testing.assert_allclose(got, ref, atol=1e-2 * np.abs(ref).max(), rtol=0)
 
 
+@pytest.mark.parametrize("M", [64, 1024])
+def test_gpt_oss_fp4_widths(M):
+    """GPT-OSS-20B's MXFP4 experts (32 a layer, 2880 -> 2880: 90 scale blocks, so a last step masked past the row),
+    this layer the second of a stack of three, against float64 products of the dequantised experts."""
+    k1, k2, k3 = jax.random.split(jax.random.key(M), 3)
+    w = fp4(k1, 3 * 32, 2880, 2880, 116, 124)
+    sizes = routed(k2, 32, M)
+    x = jax.random.normal(k3, (M, 2880), jnp.float32).astype(BF16)
+    got, ref = both(x, w, sizes, first=32)
+    exact = want(x, w, np.asarray(sizes).tolist(), 32)
+    np.testing.assert_allclose(got, exact, atol=1e-2 * np.abs(exact).max(), rtol=0)
+    np.testing.assert_allclose(ref, exact, atol=1e-2 * np.abs(exact).max(), rtol=0)
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
 def test_small_widths_against_float64(fmt):
     k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
@@ -75,14 +89,16 @@ def test_bf16_at_qwen3_moe_widths():
     np.testing.assert_allclose(got, ref, atol=1e-2 * np.abs(ref).max(), rtol=0)
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp4", "bf16", "fp4, 32 experts"])
 def test_moe_block_kernel_on_equals_off(monkeypatch, fmt):
     """`moe.sparse` with 256 experts, 200 tokens x top-8 (1600 routed rows), this layer read from a 2-layer stack:
-    the kernel's result equals the XLA loop's (JAXMODELS_WINDOWED_KERNEL=0, read when traced)."""
+    the kernel's result equals the XLA loop's (JAXMODELS_WINDOWED_KERNEL=0, read when traced). FP4 at 32 experts
+    (GPT-OSS's count, top-4, 800 rows; 2880 wide): the kernel against every expert expanded to bf16."""
     from tests.test_moe import make_params, spec_of
 
-    E, D, I = 256, 512, 256
-    spec = spec_of(E, 8, "softmax_topk", True, shared=256, I=I)
+    E, D, I, k = (32, 2880, 2880, 4) if "32" in fmt else (256, 512, 256, 8)
+    fmt = fmt.split(",")[0]
+    spec = spec_of(E, k, "softmax_topk", True, shared=256, I=I)
     p = jax.tree.map(lambda a: a.astype(BF16), make_params(spec, 1, d=D))
     k = jax.random.split(jax.random.key(5), 4)
     if fmt == "fp4":
