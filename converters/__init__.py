@@ -55,7 +55,10 @@ def source_items(cfg, reader, fam, tok, dtype: str = "float32", keep_quantized: 
     """items(done, bar, into) -> the converted placements of an opened source as `hf.stream` items, leaving out
     the keys in `done` (into: see `hf.stream`). keep_quantized, skip_mtp: see `read_source`."""
     if keep_quantized and not fam.quantized:
-        raise ValueError(f"keep_quantized applies to DeepSeek V4's FP8/FP4 checkpoints, not to {cfg.family}")
+        if not (isinstance(reader, MXFP4Reader) and reader.pairs):
+            raise ValueError("keep_quantized applies to DeepSeek V4's FP8/FP4 and GPT-OSS's MXFP4 checkpoints; this "
+                             f"{cfg.family} checkpoint holds no quantized tensors")
+        reader = reader.kept()
     if not fam.quantized:
         return lambda done=frozenset(), bar=None, into=None: stream(reader, cfg, families.name_map(fam, cfg), dtype,
                                                                     fam.skip, done=done, bar=bar, into=into,
@@ -103,7 +106,8 @@ def read_source(src: str | Path, dtype: str = "float32", progress: bool | None =
     """Import a checkpoint into host memory: (config, numpy params, tokenizer or None), reading one tensor at a
     time: host memory peaks at the params plus about two tensors.
 
-    DeepSeek V4: keep_quantized keeps FP8/FP4 weights quantized in the params (expanded inside the matmul);
+    keep_quantized keeps DeepSeek V4's FP8/FP4 weights and GPT-OSS's MXFP4 experts quantized in the params (decoded
+    inside the matmul kernels on the GPU, expanded before the matmul elsewhere). DeepSeek V4:
     the MTP / DSpark weights (`mtp.*`) are loaded under params["mtp"] when the checkpoint has them, unless
     skip_mtp.
     """

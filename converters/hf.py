@@ -290,13 +290,20 @@ def prefetched(get, names: list, sizes: list[int] | None = None, budget: int = 0
                 f.cancel()
 
 
+# Transforms of a weight kept as bytes ([..., out, in] layout: the parameter's columns are its rows): DeepSeek's
+# transposed linears stay as stored; GPT-OSS's interleaved gate/up columns are every other row
+QUANTIZED_TRANSFORMS = {"T": lambda a: a, "copy": lambda a: a,
+                        "even_cols": lambda a: np.ascontiguousarray(a[..., 0::2, :]),
+                        "odd_cols": lambda a: np.ascontiguousarray(a[..., 1::2, :])}
+
+
 def _convert(pm: Placement, value, dt, slot=None) -> list[tuple[str, np.ndarray]]:
     """[(path suffix, value)] of one placement: the tensor transformed and cast, or a Quantized weight's bytes.
     slot() -> where a transposed value goes (C-contiguous, pm.want), or None: a new array."""
     if isinstance(value, Quantized):  # kept in the checkpoint's [out, in] layout: only nn.Linear-style weights
-        if pm.transform not in ("T", "copy"):
+        if pm.transform not in QUANTIZED_TRANSFORMS:
             raise CheckpointError(f"{pm.name}: a weight kept quantized cannot take the {pm.transform!r} transform")
-        return list(value.items())
+        return [(k, QUANTIZED_TRANSFORMS[pm.transform](v)) for k, v in value.items()]
     with np.errstate(over="ignore"):  # an overflow is check_values' error, not a warning
         if pm.transform in ("T", "T_out"):  # cast while transposing: no copy in the source dtype
             src, out = np.asarray(value), None if slot is None else slot()

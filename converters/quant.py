@@ -20,14 +20,16 @@ def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 class MXFP4Reader:
-    """Wraps a reader: each `X_blocks` + `X_scales` pair appears as one dequantized tensor `X`.
+    """Wraps a reader: each `X_blocks` + `X_scales` pair appears as one tensor `X` of the dequantized shape.
 
     GPT-OSS experts are stored [E, out, in/32, 16]; HF's parameter is the transpose, [E, in, out]
-    (`convert_moe_packed_tensors`), which is what this yields.
+    (`convert_moe_packed_tensors`), which is what this yields, decoded; kept quantized (`keep`), it yields a
+    `Quantized` record of the bytes instead: {"/fp4": [E, out, in/2] packed codes, "/scale": [E, out, in/32] E8M0},
+    the [out, in] layout `qdq.dequant_fp4` and the FP4 kernels read.
     """
 
-    def __init__(self, reader):
-        self.reader = reader
+    def __init__(self, reader, keep: bool = False):
+        self.reader, self.keep = reader, keep
         keys = set(reader.keys())
         # HF spells the pair `X_blocks` / `X_scales`, OpenAI's original checkpoint `X.blocks` / `X.scales`
         self._pairs = {}  # base name -> (blocks name, scales name)
@@ -50,9 +52,18 @@ class MXFP4Reader:
             return (*lead, g * 32, out)
         return self.reader.shape(name)
 
+    @property
+    def pairs(self) -> int:
+        """How many quantized tensors (block + scale pairs) the checkpoint holds."""
+        return len(self._pairs)
+
+    def kept(self) -> MXFP4Reader:
+        """The same checkpoint, its MXFP4 tensors kept as bytes."""
+        return MXFP4Reader(self.reader, keep=True)
+
     def held_bytes(self, name):
         """What get(name) holds (hf.read_bytes): a decoded pair in float32, anything else as stored."""
-        if name in self._pairs:
+        if name in self._pairs and not self.keep:
             return math.prod(self.shape(name)) * 4
         return self.nbytes(name)
 
@@ -69,6 +80,21 @@ class MXFP4Reader:
     def get(self, name):
         if name in self._pairs:
             blocks, scales = self._pairs[name]
+            if self.keep:
+                return self._bytes(name, self.reader.get(blocks), self.reader.get(scales))
             w = mxfp4_decode(self.reader.get(blocks), self.reader.get(scales))
             return np.swapaxes(w, -1, -2)
         return self.reader.get(name)
+
+    def _bytes(self, name, blocks, scales):
+        from converters.hf import Quantized
+        from converters.safetensors_io import CheckpointError
+
+        blocks, scales = np.asarray(blocks), np.asarray(scales)
+        if blocks.dtype.itemsize != 1 or scales.dtype.itemsize != 1 or blocks.shape[:-1] != scales.shape \
+                or blocks.shape[-1] != 16:
+            raise CheckpointError(f"{name}: MXFP4 blocks {blocks.dtype}{list(blocks.shape)} and scales "
+                                  f"{scales.dtype}{list(scales.shape)} are not bytes [..., G, 16] and [..., G]")
+        if bad := int(np.count_nonzero(scales.view(np.uint8) == 0xFF)):  # kept as bytes: refused here, not decoded
+            raise CheckpointError(f"{self._pairs[name][1]}: {bad} NaN scales (E8M0 byte 0xff)")
+        return Quantized({"/fp4": blocks.view(np.uint8).reshape(*blocks.shape[:-2], -1), "/scale": scales.view(np.uint8)})

@@ -246,7 +246,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true",
                    help="replace dst if it is an earlier converted model (or an empty directory)")
     c.add_argument("--keep-quantized", action="store_true",
-                   help="DeepSeek V4: keep FP8/FP4 weights quantized (expanded inside the matmul)")
+                   help="DeepSeek V4's FP8/FP4 weights, GPT-OSS's MXFP4 experts: keep them quantized (decoded "
+                        "inside the matmul)")
     c.add_argument("--skip-mtp", action="store_true", help="DeepSeek V4: leave out the MTP / DSpark weights")
     c.set_defaults(fn=_convert)
 

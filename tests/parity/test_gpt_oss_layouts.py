@@ -37,14 +37,29 @@ def quantized():
     return hf, mxfp4_experts(hf)
 
 
-def _compare(hf, dst):
+def _compare(hf, dst, packed=None):
+    """The converted model's logits equal HF's; kept quantized (`packed`: the checkpoint's bytes), its experts are
+    those bytes: gate / up the even / odd output rows of gate_up_proj's, in the [E, out, in/2] layout."""
+    model = jm.load(dst)
+    if packed is not None:
+        E = hf.config.num_local_experts
+        for i, layer in enumerate(model.params["layers"].values()):  # the tiny config: one layer a kind
+            gate_up, down = (packed[(i, n)] for n in ("gate_up_proj", "down_proj"))
+            for leaf, (blocks, scales), rows in (("w_gate", gate_up, slice(0, None, 2)),
+                                                 ("w_up", gate_up, slice(1, None, 2)), ("w_down", down, slice(None))):
+                w = layer["mlp"][leaf]
+                assert set(w) == {"fp4", "scale"} and w["fp4"].dtype == np.uint8
+                np.testing.assert_array_equal(np.asarray(w["fp4"][0]), blocks.numpy()[:, rows].reshape(E, -1,
+                                                                                                       blocks.shape[2] * 16))
+                np.testing.assert_array_equal(np.asarray(w["scale"][0]), scales.numpy()[:, rows])
     ids = np.random.default_rng(1).integers(0, 256, (2, 48)).astype(np.int32)
     want = ref.logits(hf, ids)
-    got = np.asarray(jm.forward(jm.load(dst), ids))
+    got = np.asarray(jm.forward(model, ids))
     assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
 
 
-def test_hf_mxfp4_layout(quantized, tmp_path):
+@pytest.mark.parametrize("keep", [False, True], ids=["decoded", "kept quantized"])
+def test_hf_mxfp4_layout(quantized, tmp_path, keep):
     hf, packed = quantized
     sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
     for (i, name), (blocks, scales) in packed.items():
@@ -56,10 +71,12 @@ def test_hf_mxfp4_layout(quantized, tmp_path):
     save_file(sd, src / "model.safetensors")
     cfg = hf.config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
     (src / "config.json").write_text(json.dumps(cfg))
-    _compare(hf, converters.convert(src, tmp_path / "out", dtype="float32", progress=False))
+    out = converters.convert(src, tmp_path / "out", dtype="float32", progress=False, keep_quantized=keep)
+    _compare(hf, out, packed if keep else None)
 
 
-def test_openai_original_layout(quantized, tmp_path):
+@pytest.mark.parametrize("keep", [False, True], ids=["decoded", "kept quantized"])
+def test_openai_original_layout(quantized, tmp_path, keep):
     """`block.N.*` names, fused qkv rows [q; k; v], `X.blocks`/`X.scales`, and the original config keys."""
     hf, packed = quantized
     c = hf.config
@@ -90,7 +107,20 @@ def test_openai_original_layout(quantized, tmp_path):
         "sliding_window": c.sliding_window, "initial_context_length": rp["original_max_position_embeddings"],
         "rope_theta": rp["rope_theta"], "rope_scaling_factor": rp["factor"], "rope_ntk_alpha": rp["beta_slow"],
         "rope_ntk_beta": rp["beta_fast"]}))
-    _compare(hf, converters.convert(src, tmp_path / "out", dtype="float32", progress=False))
+    out = converters.convert(src, tmp_path / "out", dtype="float32", progress=False, keep_quantized=keep)
+    _compare(hf, out, packed if keep else None)
+
+
+def test_keep_quantized_needs_quantized_tensors(tmp_path):
+    """An unquantized GPT-OSS checkpoint has nothing to keep: one clear error, nothing written."""
+    hf = ref.build(ref.tiny_config("gpt_oss"), seed=3)
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    with pytest.raises(ValueError, match="holds no quantized tensors"):
+        converters.convert(src, tmp_path / "out", progress=False, keep_quantized=True)
+    assert not (tmp_path / "out").exists()
 
 
 def test_dense_mlp_names_are_not_gpt_oss_names(tmp_path):
@@ -107,3 +137,22 @@ def test_dense_mlp_names_are_not_gpt_oss_names(tmp_path):
     (src / "config.json").write_text(json.dumps(hf.config.to_dict()))
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.gate_proj\.weight'"):
         converters.read_source(src, progress=False)
+
+
+def test_kept_nan_scale_is_refused(quantized, tmp_path):
+    """A NaN scale (E8M0 byte 0xff) kept as bytes would reach the kernels: refused by name, as decoding does."""
+    from converters.safetensors_io import CheckpointError
+
+    hf, packed = quantized
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for (i, name), (blocks, scales) in packed.items():
+        base = f"model.layers.{i}.mlp.experts.{name}"
+        del sd[base]
+        sd[base + "_blocks"], sd[base + "_scales"] = blocks, scales.clone()
+    sd["model.layers.1.mlp.experts.down_proj_scales"][0, 0, 0] = 0xFF
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file(sd, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    with pytest.raises(CheckpointError, match=r"down_proj_scales: 1 NaN scales"):
+        converters.read_source(src, progress=False, keep_quantized=True)
