@@ -45,7 +45,7 @@ class Model:
 
 
 def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
-         rules: str | dict = "tp", verify: bool = True) -> Model:
+         rules: str | dict = "tp", verify: bool = True, keep_quantized: bool = False) -> Model:
     """Load a converted directory, or import a source checkpoint (HF dir, .gguf) directly into memory.
 
     mesh: place the parameters on this mesh (axes among data, fsdp, tensor, expert) by `rules` (a preset
@@ -54,6 +54,8 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
     keeps fp32, e.g. mHC mixes and sinks, stay fp32). verify: check a converted directory's files against the
     checksums written at conversion (one more read of the files, on process 0; a few % of the restore when the
     page cache holds them). path may also be a Hugging Face repo id in the local hub cache (`files.locate`).
+    keep_quantized: a source checkpoint's DeepSeek FP8/FP4 weights or GPT-OSS MXFP4 experts stay quantized
+    (`converters.read_source`; one mesh or none; a converted directory holds them as it was converted).
     """
     path = files.locate(path)
     if checkpoint.is_converted(path):
@@ -67,8 +69,11 @@ def load(path: str | Path, dtype: str | None = None, mesh: jax.sharding.Mesh | N
         from converters import read_source, read_source_sharded
 
         if mesh is None:
-            cfg, params, tok = read_source(path, dtype or "float32")
+            cfg, params, tok = read_source(path, dtype or "float32", keep_quantized=keep_quantized)
             params = jax.tree.map(lambda a: jax.device_put(a, may_alias=True), params)  # adopt the fresh buffers
+        elif keep_quantized:
+            raise ValueError("keep_quantized with a mesh: convert the checkpoint first (`jaxmodels convert "
+                             "--keep-quantized`), then load the converted directory onto the mesh")
         else:
             cfg, params, tok = read_source_sharded(path, mesh, rules, dtype or "float32")
     if dtype is not None:

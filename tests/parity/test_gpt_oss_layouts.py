@@ -37,10 +37,10 @@ def quantized():
     return hf, mxfp4_experts(hf)
 
 
-def _compare(hf, dst, packed=None):
+def _compare(hf, dst, packed=None, **load_kw):
     """The converted model's logits equal HF's; kept quantized (`packed`: the checkpoint's bytes), its experts are
     those bytes: gate / up the even / odd output rows of gate_up_proj's, in the [E, out, in/2] layout."""
-    model = jm.load(dst)
+    model = jm.load(dst, **load_kw)
     if packed is not None:
         E = hf.config.num_local_experts
         for i, layer in enumerate(model.params["layers"].values()):  # the tiny config: one layer a kind
@@ -73,6 +73,8 @@ def test_hf_mxfp4_layout(quantized, tmp_path, keep):
     (src / "config.json").write_text(json.dumps(cfg))
     out = converters.convert(src, tmp_path / "out", dtype="float32", progress=False, keep_quantized=keep)
     _compare(hf, out, packed if keep else None)
+    if keep:  # imported straight from the checkpoint, as converted
+        _compare(hf, src, packed, keep_quantized=True)
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["decoded", "kept quantized"])
