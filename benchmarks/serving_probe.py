@@ -210,7 +210,8 @@ def main():
         ctx = res["context_at_end"]
         weights = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed"].nbytes
         kv = sum(2 * B * min(ctx, ls.attention.window or ctx) * cfg.num_kv_heads * cfg.head_dim * 2 for ls in cfg.layers)
-        peak = {"H100": 3.35e12, "H200": 4.8e12}.get(next((k for k in ("H100", "H200") if k in res["device"]), ""))
+        kind = jax.devices()[0].device_kind  # e.g. "NVIDIA H100 80GB HBM3" (str(device) is "cuda:0")
+        peak = {"H100": 3.35e12, "H200": 4.8e12}.get(next((k for k in ("H100", "H200") if k in kind), ""))
         res |= {"weights_gb": round(weights / 1e9, 2), "kv_gb": round(kv / 1e9, 2),
                 "roofline_ms": peak and round(1e3 * (weights + kv) / peak, 2), "peak_bytes_s": peak}
     if "host_only" not in a.skip:

@@ -301,7 +301,8 @@ def _convert(pm: Placement, value, dt, slot=None) -> list[tuple[str, np.ndarray]
     """[(path suffix, value)] of one placement: the tensor transformed and cast, or a Quantized weight's bytes.
     slot() -> where a transposed value goes (C-contiguous, pm.want), or None: a new array."""
     if isinstance(value, Quantized):  # kept in the checkpoint's [out, in] layout: only nn.Linear-style weights
-        if pm.transform not in QUANTIZED_TRANSFORMS:
+        rows = {v.shape[-2] for k, v in value.items() if k in ("/fp4", "/scale")}  # a scale a row: rows select
+        if pm.transform not in QUANTIZED_TRANSFORMS or pm.transform.endswith("_cols") and len(rows) != 1:
             raise CheckpointError(f"{pm.name}: a weight kept quantized cannot take the {pm.transform!r} transform")
         return [(k, QUANTIZED_TRANSFORMS[pm.transform](v)) for k, v in value.items()]
     with np.errstate(over="ignore"):  # an overflow is check_values' error, not a warning

@@ -73,6 +73,9 @@ class MXFP4Reader:
         return self.reader.nbytes(name) if hasattr(self.reader, "nbytes") else 0
 
     def get_slice(self, name, index):
+        if name in self._pairs and self.keep:
+            raise ValueError(f"{name}: MXFP4 kept as bytes is read whole, not in slices (convert it, then load "
+                             "the converted directory onto a mesh)")
         if name in self._pairs:  # MXFP4 is decoded whole
             return self.get(name)[index]
         return self.reader.get_slice(name, index)
