@@ -5,7 +5,8 @@
 `windowed` (the kernel over expert-sorted windows, spread and collect included), `gathered` (an expert read per
 row: moe's path while rows <= experts), `loop` (`windowed.reference`: the XLA loop `moe._windows` runs, one window
 a step). Rows routed uniformly; GB/s counts the bytes of the distinct experts used once. Also a Qwen3-MoE-width
-bf16 case (128 experts, 2048 -> 768).
+bf16 case (128 experts, 2048 -> 768), and GPT-OSS-20B's experts (32, 2880 -> 2880) in FP4 and in bf16 (`grouped`:
+the Mosaic GPU grouped GEMM moe takes for bf16 there). `--tilings` times the kernel at other tilings.
 
 `--decode` picks the FP4 kernels' e2m1 decode: `asm` (the default path, PTX two codes to a 32-bit op), `bits`
 (`gathered.e2m1_bits`, one code to an fp32 lane: JAXMODELS_ASM_DECODE=0), `cheap` (a bare int -> float conversion:
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels.layers import gathered, moe, windowed
+from jaxmodels.layers import gathered, grouped, moe, windowed
 
 BF16 = jnp.bfloat16
 
@@ -54,7 +55,10 @@ def paths(w, E, first=0, W=None):
         ids = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=x.shape[0])
         return gathered.matmul(x, w, ids + first)
 
-    return {"windowed": jax.jit(win), "gathered": jax.jit(gat), "loop": jax.jit(loop)}
+    def grp(x, w, sizes):  # bf16 experts, <= 32 of them: the Mosaic GPU grouped GEMM moe takes there
+        return grouped.ragged_dot(x, w[first:first + E], sizes)
+
+    return {"windowed": jax.jit(win), "gathered": jax.jit(gat), "loop": jax.jit(loop), "grouped": jax.jit(grp)}
 
 
 def main():
@@ -65,6 +69,7 @@ def main():
     ap.add_argument("--sweep", default="", help="W,W,...: also time the kernel with these window sizes")
     ap.add_argument("--cases", default="0,1,2", help="which of the three cases to run")
     ap.add_argument("--decode", default="asm", choices=("asm", "bits", "cheap"))
+    ap.add_argument("--tilings", default="", help="bn:warps:stages,...: also time the kernel with these tilings")
     a = ap.parse_args()
     os.environ["JAXMODELS_ASM_DECODE"] = "1" if a.decode == "asm" else "0"
     if a.decode == "cheap":
@@ -74,7 +79,10 @@ def main():
     cases = [("flash fp4 gate-up", 384, fp4(384, 2304, 5120), 5120, 2304, 0.5 + 1 / 32),
              ("flash fp4 down", 384, fp4(384, 5120, 2304), 2304, 5120, 0.5 + 1 / 32),
              ("qwen3-moe bf16 gate", 128, (jax.random.normal(jax.random.key(1), (128, 2048, 768)) / 32).astype(BF16),
-              2048, 768, 2)]
+              2048, 768, 2),
+             ("gpt-oss fp4", 32, fp4(32, 2880, 2880), 2880, 2880, 0.5 + 1 / 32),  # 90 scale blocks: a masked step
+             ("gpt-oss bf16", 32, (jax.random.normal(jax.random.key(2), (32, 2880, 2880)) / 32).astype(BF16),
+              2880, 2880, 2)]
     for c in sorted(set(range(len(cases))) - set(map(int, a.cases.split(","))), reverse=True):
         del cases[c]
     sweep = [int(v) for v in a.sweep.split(",") if v]
@@ -87,8 +95,9 @@ def main():
             used = int((sizes > 0).sum())
             r = {"case": name, "rows": M, "experts_used": used, "decode": a.decode}
             y = np.asarray(f["windowed"](x, w, sizes), np.float32)
-            for k in ("windowed", "gathered", "loop"):
-                if k == "loop" and M not in loop_rows or k == "gathered" and M > 3072:
+            for k in ("windowed", "gathered", "loop", "grouped"):
+                if k == "loop" and M not in loop_rows or k == "gathered" and M > 3072 or k == "grouped" and (
+                        isinstance(w, dict) or E > grouped.MAX_GROUPS):
                     continue
                 if k != "windowed" and a.decode != "cheap":
                     ref = np.asarray(f[k](x, w, sizes), np.float32)
@@ -96,6 +105,17 @@ def main():
                 r[f"{k}_ms"] = ms(f[k], x, w, sizes)
             for W in sweep:
                 r[f"windowed_W{W}_ms"] = ms(paths(w, E, W=W)["windowed"], x, w, sizes)
+            for t in filter(None, a.tilings.split(",")):
+                bn, warps, stages = map(int, t.split(":"))
+                if N % bn:
+                    continue
+                default, windowed.tiling = windowed.tiling, lambda N, t=(bn, warps, stages): t
+                try:
+                    r[f"windowed_{bn}x{warps}x{stages}_ms"] = ms(paths(w, E)["windowed"], x, w, sizes)
+                except Exception as e:  # noqa: BLE001 - a tiling Triton refuses (registers, shared memory)
+                    r[f"windowed_{bn}x{warps}x{stages}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
+                finally:
+                    windowed.tiling = default
             r["windowed_GBps"] = used * N * K * bpe / r["windowed_ms"] / 1e6
             print(json.dumps(r), flush=True)
             rows.append(r)

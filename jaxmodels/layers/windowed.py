@@ -133,15 +133,20 @@ def _kernel_matmul(xw, w, lay, first, interpret):
         N, bk = w.shape[2], 64 if K % 64 == 0 else 32
         kernel = functools.partial(_kernel, steps=K // bk, bk=bk, W=W)
         operands = (xw, w)
-    bn = next(b for b in (64, 32, 16) if N % b == 0)
+    bn, warps, stages = tiling(N)
     return pl.pallas_call(
         kernel, grid=(lay.expert.shape[0], N // bn),
         in_specs=[triton.whole(a) for a in (ids, lay.count, *operands)],
         out_specs=pl.BlockSpec((W, bn), lambda p, j: (p, j)),
         out_shape=jax.ShapeDtypeStruct((xw.shape[0], N), xw.dtype), interpret=interpret,
         name="windowed_matmul" + ("_fp4" if isinstance(w, dict) else ""),
-        **({} if interpret else triton.params(num_warps=4, num_stages=3)),
+        **({} if interpret else triton.params(num_warps=warps, num_stages=stages)),
     )(ids, lay.count, *operands)
+
+
+def tiling(N: int) -> tuple[int, int, int]:
+    """(columns a program, warps, pipeline stages) of the kernel for N output columns."""
+    return next(b for b in (64, 32, 16) if N % b == 0), 4, 3
 
 
 def _kernel_matmul_fwd(xw, w, lay, first, interpret):
