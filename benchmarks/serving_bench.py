@@ -125,8 +125,8 @@ def child(a):
             "compiled_shapes": len(engine.runner.shapes), "preemptions": engine.stats()["preemptions"]}
     assert tokens == a.requests * a.new, tokens
     print(json.dumps(res), flush=True)
-    tag = ("_fp4" if a.fp4 else "") + ("_nopc" if a.no_prefix_caching else "") + ("_sync" if a.no_async_scheduling else "") + \
-        ("" if a.warmup == "engine" else f"_warm{a.warmup}")
+    tag = ("_fp4" if a.fp4 else "") + ("_nopc" if a.no_prefix_caching else "") + \
+        ("_sync" if a.no_async_scheduling else "") + ("" if a.warmup == "engine" else f"_warm{a.warmup}")
     with open(os.path.join(a.out, f"serving_{name}_{a.requests}r{a.max_num_seqs}s{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
 

@@ -209,7 +209,8 @@ def main():
     if not a.tiny:  # a step reads every weight but the embedding table (all experts: 4 x 256 rows hit each) + live KV
         ctx = res["context_at_end"]
         weights = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed"].nbytes
-        kv = sum(2 * B * min(ctx, ls.attention.window or ctx) * cfg.num_kv_heads * cfg.head_dim * 2 for ls in cfg.layers)
+        kv = sum(2 * B * min(ctx, ls.attention.window or ctx) * cfg.num_kv_heads * cfg.head_dim * 2
+                 for ls in cfg.layers)
         kind = jax.devices()[0].device_kind  # e.g. "NVIDIA H100 80GB HBM3" (str(device) is "cuda:0")
         peak = {"H100": 3.35e12, "H200": 4.8e12}.get(next((k for k in ("H100", "H200") if k in kind), ""))
         res |= {"weights_gb": round(weights / 1e9, 2), "kv_gb": round(kv / 1e9, 2),
@@ -218,7 +219,8 @@ def main():
         res["host_only"] = _host_only(engine, a.steps, tok)
     print(json.dumps(res), flush=True)
     os.makedirs(a.out, exist_ok=True)
-    name = "tiny" if a.tiny else f"{a.model}_{B}r" + ("_fp4" if a.fp4 else "") + ("_windowed" if a.moe == "windowed" else "")
+    name = "tiny" if a.tiny else f"{a.model}_{B}r" + ("_fp4" if a.fp4 else "") + (
+        "_windowed" if a.moe == "windowed" else "")
     with open(os.path.join(a.out, f"serving_probe_{name}.json"), "w") as f:
         json.dump(res, f, indent=1)
 

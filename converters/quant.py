@@ -100,4 +100,5 @@ class MXFP4Reader:
                                   f"{scales.dtype}{list(scales.shape)} are not bytes [..., G, 16] and [..., G]")
         if bad := int(np.count_nonzero(scales.view(np.uint8) == 0xFF)):  # kept as bytes: refused here, not decoded
             raise CheckpointError(f"{self._pairs[name][1]}: {bad} NaN scales (E8M0 byte 0xff)")
-        return Quantized({"/fp4": blocks.view(np.uint8).reshape(*blocks.shape[:-2], -1), "/scale": scales.view(np.uint8)})
+        codes = blocks.view(np.uint8).reshape(*blocks.shape[:-2], -1)  # [..., out, in/2]
+        return Quantized({"/fp4": codes, "/scale": scales.view(np.uint8)})

@@ -49,8 +49,8 @@ def _compare(hf, dst, packed=None, **load_kw):
                                                  ("w_up", gate_up, slice(1, None, 2)), ("w_down", down, slice(None))):
                 w = layer["mlp"][leaf]
                 assert set(w) == {"fp4", "scale"} and w["fp4"].dtype == np.uint8
-                np.testing.assert_array_equal(np.asarray(w["fp4"][0]), blocks.numpy()[:, rows].reshape(E, -1,
-                                                                                                       blocks.shape[2] * 16))
+                codes = blocks.numpy()[:, rows].reshape(E, -1, blocks.shape[2] * 16)  # [E, out, in/2]
+                np.testing.assert_array_equal(np.asarray(w["fp4"][0]), codes)
                 np.testing.assert_array_equal(np.asarray(w["scale"][0]), scales.numpy()[:, rows])
     ids = np.random.default_rng(1).integers(0, 256, (2, 48)).astype(np.int32)
     want = ref.logits(hf, ids)
