@@ -150,7 +150,7 @@ def _generate(args) -> int:
     from jaxmodels import sharding
 
     mesh = sharding.make_mesh(args.mesh) if args.mesh else None
-    model = jm.load(args.model, dtype=args.dtype, mesh=mesh, rules=args.rules)
+    model = jm.load(args.model, dtype=args.dtype, mesh=mesh, rules=args.rules, keep_quantized=args.keep_quantized)
     quiet = jax.process_index() != 0  # every process runs the program; one prints
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               min_p=args.min_p, seed=args.seed, stop=args.stop or None, chat=args.chat,
@@ -217,7 +217,8 @@ def _serve(args) -> int:
     from serving.api import build_app
 
     logging.getLogger("jaxmodels").setLevel(logging.INFO)
-    engine = Engine(jm.load(args.model, dtype=args.dtype, mesh=mesh, rules=args.rules), config)
+    model = jm.load(args.model, dtype=args.dtype, mesh=mesh, rules=args.rules, keep_quantized=args.keep_quantized)
+    engine = Engine(model, config)
     if warm:  # before the address is announced: no request waits on a compile later
         print(f"warming up: compiling the engine's step shapes for {', '.join(warm)} requests ...", file=sys.stderr,
               flush=True)
@@ -340,6 +341,10 @@ def parser() -> argparse.ArgumentParser:
         command.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                              help="a progress bar on stderr: bytes read / total and GB/s (default: only when stderr "
                                   "is a terminal)")
+    for command in (g, s):
+        command.add_argument("--keep-quantized", action="store_true",
+                             help="a source checkpoint's GPT-OSS MXFP4 experts / DeepSeek FP8-FP4 weights stay "
+                                  "quantized in memory (~0.27 of bf16; decoded inside the GPU matmul kernels)")
     for command in (c, e, i, g, s):
         command.add_argument("--debug", action="store_true", help="show the full trace of an error")
     return p

@@ -27,7 +27,7 @@ def hf_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("cmd", ["convert", "inspect", "generate"])
+@pytest.mark.parametrize("cmd", ["convert", "inspect", "generate", "serve"])
 def test_help(cmd):
     r = run(cmd, "--help")
     assert r.returncode == 0 and "usage: jaxmodels " + cmd in r.stdout
@@ -57,10 +57,12 @@ def test_convert_inspect_generate(hf_dir, tmp_path):
     assert sorted(p.name for p in hf_dir.iterdir()) == before
 
 
-def test_errors_are_one_clear_line(tmp_path):
+def test_errors_are_one_clear_line(tmp_path, hf_dir):
     r = run("convert", str(tmp_path / "nope"), str(tmp_path / "out"))
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+    r = run("generate", "--model", str(hf_dir), "--prompt", "w5", "--keep-quantized")  # nothing quantized in it
+    assert r.returncode == 2 and "holds no quantized tensors" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_repo_ids_come_from_the_local_hub_cache(hf_dir, tmp_path, monkeypatch):
