@@ -22,6 +22,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def kv_blocks(cfg, rows: int, max_len: int, block_size: int, dtype) -> int:
+    """Blocks for `rows` sequences of max_len tokens in each KV pool (its largest need), no preemption."""
+    from serving.runner import groups_of
+
+    groups = groups_of(cfg, max_len, block_size, dtype)[0]
+    return rows * max(sum(g.entries for g in groups if g.space == s) for s in {g.space for g in groups})
+
+
 def hf_child(a):
     """The peer: the same workload through transformers' generate_batch."""
     import numpy as np
@@ -70,12 +78,8 @@ def child(a):
     model = jm.Model(cfg, params, None)
     max_len = a.prompt + a.new
     bs = 16
-    from serving.runner import groups_of
-
-    groups = groups_of(cfg, max_len, bs, jnp.bfloat16)[0]  # blocks for every row's full sequence in each pool
-    per_seq = max(sum(g.entries for g in groups if g.space == s) for s in {g.space for g in groups})
     engine = Engine(model, EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=max_len, block_size=bs,
-                                        kv_blocks=a.max_num_seqs * per_seq + 256, max_num_batched_tokens=a.budget,
+                                        kv_blocks=kv_blocks(cfg, a.max_num_seqs, max_len, bs, jnp.bfloat16) + 256, max_num_batched_tokens=a.budget,
                                         enable_prefix_caching=not a.no_prefix_caching,
                                         async_scheduling=not a.no_async_scheduling))
     res = {"stage": name, "experts": "fp4" if a.fp4 else "bf16", "init_s": round(time.perf_counter() - t0, 1),

@@ -107,6 +107,7 @@ def main():
     import jaxmodels as jm
     from benchmarks.bench_dense import LLAMA31_8B, TINY
     from benchmarks.bench_moe import GPT_OSS_20B
+    from benchmarks.serving_bench import kv_blocks
     from jaxmodels import families, model as M
     from jaxmodels.layers import moe
     from serving import Engine, EngineConfig, SamplingParams
@@ -135,9 +136,8 @@ def main():
                                            **({"std": 0.3} if a.tiny else {})))()
     model = jm.Model(cfg, params, tok)
     B, bs = a.rows, 16
-    groups = R.groups_of(cfg, L, bs, dtype)[0]  # blocks for every row's full sequence in each pool
-    per_seq = max(sum(g.entries for g in groups if g.space == s) for s in {g.space for g in groups})
-    engine = Engine(model, EngineConfig(max_num_seqs=B, max_model_len=L, block_size=bs, kv_blocks=B * per_seq + 64))
+    engine = Engine(model, EngineConfig(max_num_seqs=B, max_model_len=L, block_size=bs,
+                                        kv_blocks=kv_blocks(cfg, B, L, bs, dtype) + 64))
     rng = np.random.default_rng(0)
     for i in range(B):
         engine.add(str(i), rng.integers(0, cfg.vocab_size, prompt).tolist(),
