@@ -90,7 +90,8 @@ class MXFP4Reader:
         return self.reader.get(name)
 
     def _bytes(self, name, blocks, scales):
-        from converters.hf import Quantized
+        from converters.deepseek_quant import E8M0
+        from converters.hf import Quantized, nonfinite
         from converters.safetensors_io import CheckpointError
 
         blocks, scales = np.asarray(blocks), np.asarray(scales)
@@ -98,7 +99,7 @@ class MXFP4Reader:
                 or blocks.shape[-1] != 16:
             raise CheckpointError(f"{name}: MXFP4 blocks {blocks.dtype}{list(blocks.shape)} and scales "
                                   f"{scales.dtype}{list(scales.shape)} are not bytes [..., G, 16] and [..., G]")
-        if bad := int(np.count_nonzero(scales.view(np.uint8) == 0xFF)):  # kept as bytes: refused here, not decoded
+        if bad := nonfinite(scales.view(np.uint8).view(E8M0)):  # kept as bytes: refused here, as DeepSeek's are
             raise CheckpointError(f"{self._pairs[name][1]}: {bad} NaN scales (E8M0 byte 0xff)")
         codes = blocks.view(np.uint8).reshape(*blocks.shape[:-2], -1)  # [..., out, in/2]
         return Quantized({"/fp4": codes, "/scale": scales.view(np.uint8)})
