@@ -69,7 +69,10 @@ def main():
     ap.add_argument("--sweep", default="", help="W,W,...: also time the kernel with these window sizes")
     ap.add_argument("--cases", default="0,1,2", help="which of the three cases to run")
     ap.add_argument("--decode", default="asm", choices=("asm", "bits", "cheap"))
-    ap.add_argument("--tilings", default="", help="bn:warps:stages,...: also time the kernel with these tilings")
+    ap.add_argument("--tilings", default="", help="bn:nbk:warps:stages,...: also time the kernel with these tilings "
+                    "(nbk: FP4 scale blocks a step; bf16 cases take only column blocks bn that divide N)")
+    ap.add_argument("--strided", action="store_true", help="FP4 tilings also with the rows read with stride 8 in the "
+                    "kernel (windowed.STRIDED_ROWS) instead of transposed by nibble first")
     a = ap.parse_args()
     os.environ["JAXMODELS_ASM_DECODE"] = "1" if a.decode == "asm" else "0"
     if a.decode == "cheap":
@@ -105,17 +108,23 @@ def main():
                 r[f"{k}_ms"] = ms(f[k], x, w, sizes)
             for W in sweep:
                 r[f"windowed_W{W}_ms"] = ms(paths(w, E, W=W)["windowed"], x, w, sizes)
-            for t in filter(None, a.tilings.split(",")):
-                bn, warps, stages = map(int, t.split(":"))
-                if N % bn:
+            tilings = [(t, False) for t in filter(None, a.tilings.split(","))]
+            for t, strided in tilings + [(t, True) for t, _ in tilings if a.strided and isinstance(w, dict)]:
+                bn, nbk, warps, stages = map(int, t.split(":"))
+                if N % bn and not isinstance(w, dict):
                     continue
-                default, windowed.tiling = windowed.tiling, lambda N, t=(bn, warps, stages): t
+                default, windowed.tiling = windowed.tiling, lambda N, b=None, t=(bn, nbk, warps, stages): t
+                windowed.STRIDED_ROWS = strided
+                key = f"windowed_{bn}x{nbk}x{warps}x{stages}{'_strided' if strided else ''}_ms"
                 try:
-                    r[f"windowed_{bn}x{warps}x{stages}_ms"] = ms(paths(w, E)["windowed"], x, w, sizes)
+                    g = paths(w, E)["windowed"]
+                    r[key] = ms(g, x, w, sizes)
+                    yt = np.asarray(g(x, w, sizes), np.float32)  # the same sums in another order: bf16 rounding apart
+                    r[key.replace("_ms", "_diff")] = float(np.abs(yt - y).max() / np.abs(y).max())
                 except Exception as e:  # noqa: BLE001 - a tiling Triton refuses (registers, shared memory)
-                    r[f"windowed_{bn}x{warps}x{stages}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
+                    r[key] = f"{type(e).__name__}: {str(e)[:120]}"
                 finally:
-                    windowed.tiling = default
+                    windowed.tiling, windowed.STRIDED_ROWS = default, False
             r["windowed_GBps"] = used * N * K * bpe / r["windowed_ms"] / 1e6
             print(json.dumps(r), flush=True)
             rows.append(r)

@@ -101,6 +101,20 @@ def test_fp4_kernel_equals_dequant_then_grouped_products(sizes, K, N):
     check(run(x, w, sizes, 6, interpret=False), ref, 1e-2)
 
 
+@pytest.mark.parametrize("bn,nbk,N", [(64, 8, 80), (128, 16, 48), (32, 4, 48), (16, 8, 48)])
+def test_fp4_kernel_at_other_tilings(monkeypatch, bn, nbk, N):
+    """Column blocks N does not fill (the last one's columns past N masked, then cut) and steps of nbk scale
+    blocks that 10 blocks leave a rest of (16: no whole step), as `tiling` may pick at GPT-OSS's 2880."""
+    monkeypatch.setattr(windowed, "tiling", lambda N_, blocks=None: (bn, nbk, 4, 3))
+    rng = np.random.default_rng(bn + nbk + N)
+    sizes, K = SIZES[4], 320
+    x = jnp.asarray(rng.normal(size=(70, K)), BF16)
+    w = fp4_experts(rng, 2 * 6, N, K)
+    got = run(x, w, sizes, 6)
+    assert got.shape == (70, N)
+    check(got, want(x, w, sizes, 6), 1e-2)
+
+
 def test_fp4_kernel_special_scale_bytes():
     """Scale bytes 0 (2^-127), 1, 254 (2^127: codes past 1.5 overflow bf16 to inf) and 255 (NaN): the kernel's
     non-finite outputs (inf, or NaN from inf - inf) where the dequantised reference's are, its finite ones equal."""

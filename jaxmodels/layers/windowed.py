@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jaxmodels.layers import gathered, qdq, triton
 
 F32 = jnp.float32
+STRIDED_ROWS = False  # FP4: a nibble's row elements read with stride 8 in the kernel, else a transposed copy first
 MAX_WINDOW = 128  # rows a program: its fp32 accumulator [W, bn] lives in registers
 
 
@@ -93,7 +94,7 @@ def reference(xw, w, lay: Layout, first=0):
 def _tiles(x, w) -> bool:
     if x.ndim != 2 or x.dtype not in gathered.HALF:
         return False
-    if isinstance(w, dict):  # FP4 only: columns in blocks of 16, whole scale blocks (a step decodes 4 or 8)
+    if isinstance(w, dict):  # FP4 only: columns in blocks of 16, whole scale blocks
         return "fp4" in w and w["fp4"].shape[1] % 16 == 0 and (2 * w["fp4"].shape[2]) % gathered.FP4_BLOCK == 0
     return getattr(w, "ndim", 0) == 3 and w.dtype == x.dtype and w.shape[1] % 32 == 0 and w.shape[2] % 32 == 0
 
@@ -125,28 +126,34 @@ def _kernel_matmul(xw, w, lay, first, interpret):
     ids = lay.expert + first
     if isinstance(w, dict):
         N, blocks = w["fp4"].shape[1], K // gathered.FP4_BLOCK
-        nbk = 8 if blocks % 8 == 0 else 4  # scale blocks a step: 32 or 16 words a column
-        kernel = functools.partial(_fp4_kernel, blocks=blocks, nbk=nbk, W=W, asm=gathered.asm_decode(interpret))
+        bn, nbk, warps, stages = tiling(N, blocks)
+        kernel = functools.partial(_fp4_kernel, blocks=blocks, nbk=nbk, N=N, W=W, asm=gathered.asm_decode(interpret))
         words = gathered._words(w["fp4"]).reshape(*w["fp4"].shape[:2], blocks, 4)
-        operands = (jnp.moveaxis(xw.reshape(-1, K // 8, 8), -1, 0), words, w["scale"])  # x by nibble: [8, PW, K/8]
+        # the rows by nibble, [8, PW, K/8] (or read with stride 8 in place)
+        xq = xw if STRIDED_ROWS else jnp.moveaxis(xw.reshape(-1, K // 8, 8), -1, 0)
+        operands = (xq, words, w["scale"])
     else:
         N, bk = w.shape[2], 64 if K % 64 == 0 else 32
+        bn, _, warps, stages = tiling(N)
         kernel = functools.partial(_kernel, steps=K // bk, bk=bk, W=W)
         operands = (xw, w)
-    bn, warps, stages = tiling(N)
-    return pl.pallas_call(
-        kernel, grid=(lay.expert.shape[0], N // bn),
+    cols = -(-N // bn)  # FP4: a last block of columns past N is masked, written to columns cut off here
+    y = pl.pallas_call(
+        kernel, grid=(lay.expert.shape[0], cols),
         in_specs=[triton.whole(a) for a in (ids, lay.count, *operands)],
         out_specs=pl.BlockSpec((W, bn), lambda p, j: (p, j)),
-        out_shape=jax.ShapeDtypeStruct((xw.shape[0], N), xw.dtype), interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((xw.shape[0], cols * bn), xw.dtype), interpret=interpret,
         name="windowed_matmul" + ("_fp4" if isinstance(w, dict) else ""),
         **({} if interpret else triton.params(num_warps=warps, num_stages=stages)),
     )(ids, lay.count, *operands)
+    return y[:, :N]  # (fused into `collect`'s gather)
 
 
-def tiling(N: int) -> tuple[int, int, int]:
-    """(columns a program, warps, pipeline stages) of the kernel for N output columns."""
-    return next(b for b in (64, 32, 16) if N % b == 0), 4, 3
+def tiling(N: int, blocks: int | None = None) -> tuple[int, int, int, int]:
+    """(columns a program, scale blocks a step, warps, pipeline stages) of the kernel for N output columns of FP4
+    rows of `blocks` scale blocks (None: bf16, no scale blocks). bf16 column blocks divide N; FP4 ones may end
+    past N (masked), and a step's scale blocks need not divide the row's (its last step masked)."""
+    return next(b for b in (64, 32, 16) if N % b == 0), 8 if (blocks or 0) % 8 == 0 else 4, 4, 3
 
 
 def _kernel_matmul_fwd(xw, w, lay, first, interpret):
@@ -191,36 +198,46 @@ def _kernel(e_ref, n_ref, x_ref, w_ref, o_ref, *, steps: int, bk: int, W: int):
     _finish(n_ref, o_ref, lambda: jax.lax.fori_loop(0, steps, body, jnp.zeros((W, bn), F32)))
 
 
-def _fp4_kernel(e_ref, n_ref, xq_ref, w_ref, s_ref, o_ref, *, blocks: int, nbk: int, W: int, asm: bool):
+def _fp4_kernel(e_ref, n_ref, xq_ref, w_ref, s_ref, o_ref, *, blocks: int, nbk: int, N: int, W: int, asm: bool):
     """Window p times columns j*bn .. of its packed expert, viewed [N, K/32, 4] words: a step decodes nbk scale
     blocks of bn columns ([bn, nbk, 4] words, 16 nbk bytes contiguous a column) exactly as `qdq.dequant`
     (`gathered.e2m1_planes`: e2m1 times the E8M0 scale, then in the rows' dtype), and for each nibble q multiplies
-    the decoded [bn, 4 nbk] plane with the rows' elements 8p + q (xq [8, P*W, K/8]). A row of `blocks` scale
+    the decoded [bn, 4 nbk] plane with the rows' elements 8p + q (xq [8, P*W, K/8], or the rows [P*W, K] read with
+    stride 8). A row of `blocks` scale
     blocks that nbk does not divide (GPT-OSS's 2880: 90) ends in one step whose loads past the row are masked to
-    zeros (Triton's dots need 16 along the contraction, so a step cannot shrink to the rest)."""
+    zeros (Triton's dots need 16 along the contraction, so a step cannot shrink to the rest); columns past N (a
+    last block of bn that N does not fill) load as zeros too, and their products land in columns cut off after."""
     p, j = pl.program_id(0), pl.program_id(1)
     bn = o_ref.shape[1]
     e, rows, cols = e_ref[p], pl.ds(p * W, W), pl.ds(j * bn, bn)
+    ragged = N % bn != 0
 
     def body(t, acc, masked=False):
         kb = t * nbk
 
-        def load(ref, index, shape, limit):
-            """ref[index] of `shape`; in the masked step zeros where dimension 1 (scale blocks, or xq's columns),
-            whose slice starts at kb scaled to its size, reaches `limit`."""
-            if not masked:
+        def load(ref, index, shape, limit, weights=True):
+            """ref[index] of `shape`, zeros where dimension 1 (scale blocks, or xq's columns; its slice starts at kb
+            scaled to its size) reaches `limit` in the masked step, and for weights where dimension 0 (columns)
+            reaches N."""
+            mask = None
+            if masked:
+                mask = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + kb * (shape[1] // nbk) < limit
+            if ragged and weights:
+                past = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + j * bn < N
+                mask = past if mask is None else mask & past
+            if mask is None:
                 return ref[index]
             from jax.experimental.pallas import triton as plgpu
 
-            at = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + kb * (shape[1] // nbk)
             index = tuple(jnp.int32(i) if isinstance(i, int) else i for i in index)  # the interpreter's need
-            return plgpu.load(ref.at[index], mask=at < limit, other=0)
+            return plgpu.load(ref.at[index], mask=mask, other=0)
 
         words = load(w_ref, (e, cols, pl.ds(kb, nbk), slice(None)), (bn, nbk, 4), blocks)  # int32
         scale = qdq.e8m0_to_f32(load(s_ref, (e, cols, pl.ds(kb, nbk)), (bn, nbk), blocks))[:, :, None]
         for q, wq in enumerate(gathered.e2m1_planes(words, scale, asm)):
             wq = wq.astype(o_ref.dtype).reshape(bn, 4 * nbk)
-            xq = load(xq_ref, (q, rows, pl.ds(4 * kb, 4 * nbk)), (W, 4 * nbk), 4 * blocks)  # [W, 4 nbk]
+            at = (rows, pl.ds(32 * kb + q, 4 * nbk, 8)) if xq_ref.ndim == 2 else (q, rows, pl.ds(4 * kb, 4 * nbk))
+            xq = load(xq_ref, at, (W, 4 * nbk), 4 * blocks, weights=False)
             acc = acc + jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         return acc
 
