@@ -51,6 +51,12 @@ def describe(path: str | Path) -> dict:
         cfg, dtype = families.config_from_hf(files.read_json(config, files.MAX_METADATA_BYTES)), "source"
     width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype if isinstance(dtype, str) else "", None)
     n = plan.param_count(cfg)
+    nbytes, quantized = n * width if width else None, False
+    if checkpoint.is_converted(path) and (path / "params").is_dir():  # what is stored (kept-quantized: its bytes)
+        leaves = checkpoint.stored_leaves(path / "params")
+        if leaves:
+            nbytes = sum(math.prod(shape) * dt.itemsize for _, shape, dt, _ in leaves.values())
+            quantized = any(leaf.endswith(checkpoint.QUANTIZED_PARTS) for leaf in leaves)
     pl = plan.plan(cfg)
     kinds = []
     for k, spec in enumerate(pl.kinds):
@@ -76,7 +82,7 @@ def describe(path: str | Path) -> dict:
     return {"family": cfg.family, "path": str(path), "dtype": dtype, "vocab": cfg.vocab_size,
             "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim, "layers": cfg.num_layers, "tied": cfg.tie_embeddings,
-            "parameters": n, "bytes": n * width if width else None,
+            "parameters": n, "bytes": nbytes, "kept_quantized": quantized,
             "scan": f"{_runs(pl, pl.runs)} ({pl.bodies()} layer bodies traced)" + (
                 f", {cfg.numerics} numerics" if cfg.numerics != "plain" else ""),
             "kinds": kinds, "vision": _vision(cfg)}
@@ -118,6 +124,7 @@ def _inspect(args) -> int:
         print(json.dumps(info, indent=1))
         return 0
     size = f", {info['bytes'] / 2**20:.1f} MiB" if info["bytes"] else ""
+    size += " (quantized weights kept as bytes)" if info.get("kept_quantized") else ""
     print(f"{info['family']}  ({info['path']}, {info['dtype']})")
     print(f"  {info['parameters']:,} parameters{size}; vocab {info['vocab']}, hidden {info['hidden']}, "
           f"{info['heads']} heads / {info['kv_heads']} kv × {info['head_dim']}, tied head: {info['tied']}")

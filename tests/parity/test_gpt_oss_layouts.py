@@ -10,6 +10,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import converters
 import jaxmodels as jm
+from jaxmodels import cli
 from tests.parity import hf_reference as ref
 
 
@@ -73,6 +74,10 @@ def test_hf_mxfp4_layout(quantized, tmp_path, keep):
     (src / "config.json").write_text(json.dumps(cfg))
     out = converters.convert(src, tmp_path / "out", dtype="float32", progress=False, keep_quantized=keep)
     _compare(hf, out, packed if keep else None)
+    info = cli.describe(out)  # `jaxmodels inspect`: the bytes stored, FP4 experts at half a byte a weight
+    stored = sum(v.numel() * 4 for k, v in sd.items() if not k.endswith(("_blocks", "_scales")))
+    stored += sum(b.numel() + s.numel() for b, s in packed.values()) if keep else 0
+    assert info["kept_quantized"] == keep and info["bytes"] == (stored if keep else 4 * info["parameters"])
     if keep:  # imported straight from the checkpoint, as converted
         _compare(hf, src, packed, keep_quantized=True)
 
