@@ -160,7 +160,7 @@ def main():
         args = [sys.executable, __file__, "--child", stage, "--out", a.out, "--requests", str(a.requests),
                 "--prompt", str(a.prompt), "--new", str(a.new), "--max-num-seqs", str(a.max_num_seqs),
                 "--budget", str(a.budget), "--warmup", a.warmup] + ["--no-prefix-caching"] * a.no_prefix_caching + \
-            ["--no-async-scheduling"] * a.no_async_scheduling + ["--fp4"] * a.fp4
+            ["--no-async-scheduling"] * a.no_async_scheduling + ["--fp4"] * (a.fp4 and stage != "llama")  # (dense)
         if stage == "tiny":
             args[args.index("--requests") + 1] = "16"
         try:
