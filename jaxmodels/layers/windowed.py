@@ -236,7 +236,11 @@ def _fp4_kernel(e_ref, n_ref, xq_ref, w_ref, s_ref, o_ref, *, blocks: int, nbk: 
         scale = qdq.e8m0_to_f32(load(s_ref, (e, cols, pl.ds(kb, nbk)), (bn, nbk), blocks))[:, :, None]
         for q, wq in enumerate(gathered.e2m1_planes(words, scale, asm)):
             wq = wq.astype(o_ref.dtype).reshape(bn, 4 * nbk)
-            at = (rows, pl.ds(32 * kb + q, 4 * nbk, 8)) if xq_ref.ndim == 2 else (q, rows, pl.ds(4 * kb, 4 * nbk))
+            if xq_ref.ndim == 2:  # the rows' elements 8i + q, addressed by index arrays (Pallas' interpreter
+                at = (p * W + jax.lax.broadcasted_iota(jnp.int32, (W, 1), 0),  # takes those, not strided slices)
+                      32 * kb + q + 8 * jax.lax.broadcasted_iota(jnp.int32, (1, 4 * nbk), 1))
+            else:
+                at = (q, rows, pl.ds(4 * kb, 4 * nbk))
             xq = load(xq_ref, at, (W, 4 * nbk), 4 * blocks, weights=False)
             acc = acc + jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         return acc
