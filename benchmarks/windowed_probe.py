@@ -71,8 +71,6 @@ def main():
     ap.add_argument("--decode", default="asm", choices=("asm", "bits", "cheap"))
     ap.add_argument("--tilings", default="", help="bn:nbk:warps:stages,...: also time the kernel with these tilings "
                     "(nbk: FP4 scale blocks a step; bf16 cases take only column blocks bn that divide N)")
-    ap.add_argument("--strided", action="store_true", help="FP4 tilings also with the rows read with stride 8 in the "
-                    "kernel (windowed.STRIDED_ROWS) instead of transposed by nibble first")
     a = ap.parse_args()
     os.environ["JAXMODELS_ASM_DECODE"] = "1" if a.decode == "asm" else "0"
     if a.decode == "cheap":
@@ -108,14 +106,12 @@ def main():
                 r[f"{k}_ms"] = ms(f[k], x, w, sizes)
             for W in sweep:
                 r[f"windowed_W{W}_ms"] = ms(paths(w, E, W=W)["windowed"], x, w, sizes)
-            tilings = [(t, False) for t in filter(None, a.tilings.split(","))]
-            for t, strided in tilings + [(t, True) for t, _ in tilings if a.strided and isinstance(w, dict)]:
+            for t in filter(None, a.tilings.split(",")):
                 bn, nbk, warps, stages = map(int, t.split(":"))
                 if N % bn and not isinstance(w, dict):
                     continue
-                default, windowed.tiling = windowed.tiling, lambda N, b=None, t=(bn, nbk, warps, stages): t
-                windowed.STRIDED_ROWS = strided
-                key = f"windowed_{bn}x{nbk}x{warps}x{stages}{'_strided' if strided else ''}_ms"
+                default, windowed.tiling = windowed.tiling, lambda N, b=None, W=None, t=(bn, nbk, warps, stages): t
+                key = f"windowed_{bn}x{nbk}x{warps}x{stages}_ms"
                 try:
                     g = paths(w, E)["windowed"]
                     r[key] = ms(g, x, w, sizes)
@@ -124,7 +120,7 @@ def main():
                 except Exception as e:  # noqa: BLE001 - a tiling Triton refuses (registers, shared memory)
                     r[key] = f"{type(e).__name__}: {str(e)[:120]}"
                 finally:
-                    windowed.tiling, windowed.STRIDED_ROWS = default, False
+                    windowed.tiling = default
             r["windowed_GBps"] = used * N * K * bpe / r["windowed_ms"] / 1e6
             print(json.dumps(r), flush=True)
             rows.append(r)

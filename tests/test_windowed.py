@@ -101,14 +101,11 @@ def test_fp4_kernel_equals_dequant_then_grouped_products(sizes, K, N):
     check(run(x, w, sizes, 6, interpret=False), ref, 1e-2)
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["transposed", "strided"])
 @pytest.mark.parametrize("bn,nbk,N", [(64, 8, 80), (128, 16, 48), (32, 4, 48), (16, 8, 48)])
-def test_fp4_kernel_at_other_tilings(monkeypatch, bn, nbk, N, strided):
+def test_fp4_kernel_at_other_tilings(monkeypatch, bn, nbk, N):
     """Column blocks N does not fill (the last one's columns past N masked, then cut) and steps of nbk scale
-    blocks that 10 blocks leave a rest of (16: no whole step), as `tiling` may pick at GPT-OSS's 2880; the rows
-    by nibble transposed first or read in place with stride 8."""
-    monkeypatch.setattr(windowed, "tiling", lambda N_, blocks=None: (bn, nbk, 4, 3))
-    monkeypatch.setattr(windowed, "STRIDED_ROWS", strided)
+    blocks that 10 blocks leave a rest of (16: no whole step), as `tiling` picks at GPT-OSS's 2880."""
+    monkeypatch.setattr(windowed, "tiling", lambda N_, blocks=None, W=None: (bn, nbk, 4, 3))
     rng = np.random.default_rng(bn + nbk + N)
     sizes, K = SIZES[4], 320
     x = jnp.asarray(rng.normal(size=(70, K)), BF16)

@@ -24,7 +24,6 @@ from jax.experimental import pallas as pl
 from jaxmodels.layers import gathered, qdq, triton
 
 F32 = jnp.float32
-STRIDED_ROWS = False  # FP4: a nibble's row elements read with stride 8 in the kernel, else a transposed copy first
 MAX_WINDOW = 128  # rows a program: its fp32 accumulator [W, bn] lives in registers
 
 
@@ -126,12 +125,12 @@ def _kernel_matmul(xw, w, lay, first, interpret):
     ids = lay.expert + first
     if isinstance(w, dict):
         N, blocks = w["fp4"].shape[1], K // gathered.FP4_BLOCK
-        bn, nbk, warps, stages = tiling(N, blocks)
+        bn, nbk, warps, stages = tiling(N, blocks, W)
         kernel = functools.partial(_fp4_kernel, blocks=blocks, nbk=nbk, N=N, W=W, asm=gathered.asm_decode(interpret))
         words = gathered._words(w["fp4"]).reshape(*w["fp4"].shape[:2], blocks, 4)
-        # the rows by nibble, [8, PW, K/8] (or read with stride 8 in place)
-        xq = xw if STRIDED_ROWS else jnp.moveaxis(xw.reshape(-1, K // 8, 8), -1, 0)
-        operands = (xq, words, w["scale"])
+        # the rows by nibble, [8, PW, K/8]: read in place with stride 8 instead, the kernel lost more than the
+        # copy costs (BENCHMARKS.md)
+        operands = (jnp.moveaxis(xw.reshape(-1, K // 8, 8), -1, 0), words, w["scale"])
     else:
         N, bk = w.shape[2], 64 if K % 64 == 0 else 32
         bn, _, warps, stages = tiling(N)
@@ -149,11 +148,16 @@ def _kernel_matmul(xw, w, lay, first, interpret):
     return y[:, :N]  # (fused into `collect`'s gather)
 
 
-def tiling(N: int, blocks: int | None = None) -> tuple[int, int, int, int]:
-    """(columns a program, scale blocks a step, warps, pipeline stages) of the kernel for N output columns of FP4
-    rows of `blocks` scale blocks (None: bf16, no scale blocks). bf16 column blocks divide N; FP4 ones may end
-    past N (masked), and a step's scale blocks need not divide the row's (its last step masked)."""
-    return next(b for b in (64, 32, 16) if N % b == 0), 8 if (blocks or 0) % 8 == 0 else 4, 4, 3
+def tiling(N: int, blocks: int | None = None, W: int = 32) -> tuple[int, int, int, int]:
+    """(columns a program, scale blocks a step, warps, pipeline stages) of the kernel for N output columns, FP4
+    rows of `blocks` scale blocks (None: bf16) and windows of W rows. bf16 column blocks divide N; FP4 ones may
+    end past N (masked), and a step's scale blocks need not divide the row's (its last step masked). FP4's were
+    the fastest at GPT-OSS's 32 experts 2880 -> 2880 on an H100 (BENCHMARKS.md: 1024 rows, W 32: 0.311 ms, was
+    0.384 at 64 columns and 4 blocks; 4096 rows, W 128: 0.755, was 0.924); shared memory holds `stages` copies
+    of a step's words and 8 x W x 4 nbk row elements."""
+    if blocks is None:
+        return next(b for b in (64, 32, 16) if N % b == 0), 8, 4, 3
+    return (256, 4, 8, 3) if W >= 128 else (128, 8, 4, 2)
 
 
 def _kernel_matmul_fwd(xw, w, lay, first, interpret):
@@ -202,8 +206,7 @@ def _fp4_kernel(e_ref, n_ref, xq_ref, w_ref, s_ref, o_ref, *, blocks: int, nbk: 
     """Window p times columns j*bn .. of its packed expert, viewed [N, K/32, 4] words: a step decodes nbk scale
     blocks of bn columns ([bn, nbk, 4] words, 16 nbk bytes contiguous a column) exactly as `qdq.dequant`
     (`gathered.e2m1_planes`: e2m1 times the E8M0 scale, then in the rows' dtype), and for each nibble q multiplies
-    the decoded [bn, 4 nbk] plane with the rows' elements 8p + q (xq [8, P*W, K/8], or the rows [P*W, K] read with
-    stride 8). A row of `blocks` scale
+    the decoded [bn, 4 nbk] plane with the rows' elements 8p + q (xq [8, P*W, K/8]). A row of `blocks` scale
     blocks that nbk does not divide (GPT-OSS's 2880: 90) ends in one step whose loads past the row are masked to
     zeros (Triton's dots need 16 along the contraction, so a step cannot shrink to the rest); columns past N (a
     last block of bn that N does not fill) load as zeros too, and their products land in columns cut off after."""
@@ -236,12 +239,7 @@ def _fp4_kernel(e_ref, n_ref, xq_ref, w_ref, s_ref, o_ref, *, blocks: int, nbk: 
         scale = qdq.e8m0_to_f32(load(s_ref, (e, cols, pl.ds(kb, nbk)), (bn, nbk), blocks))[:, :, None]
         for q, wq in enumerate(gathered.e2m1_planes(words, scale, asm)):
             wq = wq.astype(o_ref.dtype).reshape(bn, 4 * nbk)
-            if xq_ref.ndim == 2:  # the rows' elements 8i + q, addressed by index arrays (Pallas' interpreter
-                at = (p * W + jax.lax.broadcasted_iota(jnp.int32, (W, 1), 0),  # takes those, not strided slices)
-                      32 * kb + q + 8 * jax.lax.broadcasted_iota(jnp.int32, (1, 4 * nbk), 1))
-            else:
-                at = (q, rows, pl.ds(4 * kb, 4 * nbk))
-            xq = load(xq_ref, at, (W, 4 * nbk), 4 * blocks, weights=False)
+            xq = load(xq_ref, (q, rows, pl.ds(4 * kb, 4 * nbk)), (W, 4 * nbk), 4 * blocks, weights=False)
             acc = acc + jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         return acc
 
