@@ -349,14 +349,19 @@ def _verify_once(path: str | Path) -> None:
 QUANTIZED_PARTS = ("/fp8", "/fp4", "/scale", "_scale")  # kept-quantized DeepSeek weights (converters/deepseek.py)
 
 
+def planned_base(leaf: str, want) -> str:
+    """The planned parameter (a path of `want`) a stored leaf holds: itself, or the weight it is a kept-quantized
+    part of (mHC's own `.../scale` parameters are planned, so a suffix alone does not make a part)."""
+    return next((leaf[: -len(s)] for s in QUANTIZED_PARTS if leaf.endswith(s) and leaf[: -len(s)] in want), leaf)
+
+
 def check_shapes(cfg: ModelConfig, stored: dict) -> None:
     """The stored leaves ({path: (shape, dtype)}) are the parameters the config's plan declares: none missing,
     none extra, each of its planned shape (a kept-quantized weight: its layer count). MTP weights are optional."""
     want = plan.flatten(plan.param_specs(cfg))
     if any(p.startswith("mtp/") for p in stored):
         want |= plan.flatten(plan.mtp_param_specs(cfg))
-    base = {p: next((p[: -len(s)] for s in QUANTIZED_PARTS if p.endswith(s) and p[: -len(s)] in want), p)
-            for p in stored}
+    base = {p: planned_base(p, want) for p in stored}
     extra = sorted(p for p, b in base.items() if b not in want)
     missing = sorted(set(want) - set(base.values()))
     if extra or missing:

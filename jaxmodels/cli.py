@@ -53,10 +53,15 @@ def describe(path: str | Path) -> dict:
     n = plan.param_count(cfg)
     nbytes, quantized = n * width if width else None, False
     if checkpoint.is_converted(path) and (path / "params").is_dir():  # what is stored (kept-quantized: its bytes)
-        leaves = checkpoint.stored_leaves(path / "params")
-        if leaves:
-            nbytes = sum(math.prod(shape) * dt.itemsize for _, shape, dt, _ in leaves.values())
-            quantized = any(leaf.endswith(checkpoint.QUANTIZED_PARTS) for leaf in leaves)
+        try:
+            leaves = checkpoint.stored_leaves(path / "params")
+        except ValueError:  # a damaged leaf header: `load` names it; the config alone describes the model
+            leaves = {}
+        want = plan.flatten(plan.param_specs(cfg))
+        base = {leaf: checkpoint.planned_base(leaf, want) for leaf in leaves}
+        if planned := [leaf for leaf, b in base.items() if b in want]:  # (MTP weights: not in `parameters` either)
+            nbytes = sum(math.prod(leaves[leaf][1]) * leaves[leaf][2].itemsize for leaf in planned)
+            quantized = any(base[leaf] != leaf for leaf in planned)
     pl = plan.plan(cfg)
     kinds = []
     for k, spec in enumerate(pl.kinds):

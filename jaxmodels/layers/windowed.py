@@ -145,14 +145,14 @@ def _kernel_matmul(xw, w, lay, first, interpret):
         name="windowed_matmul" + ("_fp4" if isinstance(w, dict) else ""),
         **({} if interpret else triton.params(num_warps=warps, num_stages=stages)),
     )(ids, lay.count, *operands)
-    return y[:, :N]  # (fused into `collect`'s gather)
+    return y[:, :N]  # (a slice XLA fuses into its consumer)
 
 
 def tiling(N: int, blocks: int | None = None, W: int = 32) -> tuple[int, int, int, int]:
     """(columns a program, scale blocks a step, warps, pipeline stages) of the kernel for N output columns, FP4
     rows of `blocks` scale blocks (None: bf16) and windows of W rows. bf16 column blocks divide N; FP4 ones may
     end past N (masked), and a step's scale blocks need not divide the row's (its last step masked). FP4's were
-    the fastest at GPT-OSS's 32 experts 2880 -> 2880 on an H100 (BENCHMARKS.md: 1024 rows, W 32: 0.311 ms, was
+    the fastest at GPT-OSS's 32 experts 2880 -> 2880 on an H100 (BENCHMARKS.md: 1024 rows, W 32: 0.312 ms, was
     0.384 at 64 columns and 4 blocks; 4096 rows, W 128: 0.755, was 0.924); shared memory holds `stages` copies
     of a step's words and 8 x W x 4 nbk row elements."""
     if blocks is None:

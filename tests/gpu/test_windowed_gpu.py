@@ -52,7 +52,7 @@ def test_flash_fp4_layer(M, N, K):
     np.testing.assert_allclose(got, ref, atol=1e-2 * np.abs(ref).max(), rtol=0)
 
 
-@pytest.mark.parametrize("M", [64, 1024])
+@pytest.mark.parametrize("M", [64, 1024, 4096])  # windows of 16, 64 and 128 rows: both of `tiling`'s FP4 choices
 def test_gpt_oss_fp4_widths(M):
     """GPT-OSS-20B's MXFP4 experts (32 a layer, 2880 -> 2880: 90 scale blocks, so a last step masked past the row),
     this layer the second of a stack of three, against float64 products of the dequantised experts. The bytes past

@@ -386,6 +386,8 @@ def test_convert_load_generate(v41, tmp_path):
     info = describe(dst)  # `jaxmodels inspect`
     assert (info["family"], info["layers"], info["kv_heads"]) == ("deepseek_v41", 6, 1)
     assert sum(len(k["layers"]) for k in info["kinds"]) == 6
+    planned = jax.tree.leaves({k: v for k, v in model.params.items() if k != "mtp"})
+    assert not info["kept_quantized"] and info["bytes"] == sum(a.nbytes for a in planned)  # mHC's own .../scale
     prompt = list(np.random.default_rng(6).integers(3, cfg.vocab_size, 21))
     out = jm.generate(model, [prompt], max_new_tokens=12, ignore_eos=True)
     seq = np.array([prompt + out.tokens[0]])
@@ -432,6 +434,11 @@ def test_keep_quantized_equals_dequantised(v41, tmp_path):
     assert set(wq) == {"fp8", "scale"} and wq["fp8"].dtype == jnp.uint8
     assert set(experts) == {"fp4", "scale"} and experts["fp4"].shape[-1] * 2 == cfg.layers[3].mlp.intermediate_size
     assert _layer(cfg, model.params, 1)["engram"]["table"].dtype == jnp.uint8  # FP8 rows, expanded after the gather
+    from jaxmodels.cli import describe
+
+    info = describe(dst)  # `jaxmodels inspect`: the bytes stored, FP8 / FP4 parts and their scales at their size
+    planned = jax.tree.leaves({k: v for k, v in model.params.items() if k != "mtp"})
+    assert info["kept_quantized"] and info["bytes"] == sum(a.nbytes for a in planned)
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 40))
     ref = np.asarray(_jit_forward(cfg)(params, jnp.asarray(ids, jnp.int32)))
     out = np.asarray(_jit_forward(cfg)(model.params, jnp.asarray(ids, jnp.int32)))
