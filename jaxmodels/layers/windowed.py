@@ -93,7 +93,7 @@ def reference(xw, w, lay: Layout, first=0):
 def _tiles(x, w) -> bool:
     if x.ndim != 2 or x.dtype not in gathered.HALF:
         return False
-    if isinstance(w, dict):  # FP4 only: columns in blocks of 16, whole scale blocks
+    if isinstance(w, dict):  # FP4 only: N a multiple of 16, whole scale blocks
         return "fp4" in w and w["fp4"].shape[1] % 16 == 0 and (2 * w["fp4"].shape[2]) % gathered.FP4_BLOCK == 0
     return getattr(w, "ndim", 0) == 3 and w.dtype == x.dtype and w.shape[1] % 32 == 0 and w.shape[2] % 32 == 0
 
@@ -128,8 +128,8 @@ def _kernel_matmul(xw, w, lay, first, interpret):
         bn, nbk, warps, stages = tiling(N, blocks, W)
         kernel = functools.partial(_fp4_kernel, blocks=blocks, nbk=nbk, N=N, W=W, asm=gathered.asm_decode(interpret))
         words = gathered._words(w["fp4"]).reshape(*w["fp4"].shape[:2], blocks, 4)
-        # the rows by nibble, [8, PW, K/8]: read in place with stride 8 instead, the kernel lost more than the
-        # copy costs (BENCHMARKS.md)
+        # the rows by nibble, [8, PW, K/8], copied: read with stride 8 inside, the kernel lost more than the copy
+        # costs (BENCHMARKS.md)
         operands = (jnp.moveaxis(xw.reshape(-1, K // 8, 8), -1, 0), words, w["scale"])
     else:
         N, bk = w.shape[2], 64 if K % 64 == 0 else 32
