@@ -72,17 +72,19 @@ def child(a):
                                                     "num_attention_heads", "num_key_value_heads", "head_dim")}
         hf["num_hidden_layers"] = 4
     cfg = families.config_from_hf(hf)
+    fp4 = a.fp4 and any(ls.mlp.kind == "moe" for ls in cfg.layers)  # a dense model has no experts to keep in FP4
     t0 = time.perf_counter()
-    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=jnp.bfloat16, fp4_experts=a.fp4))()
+    params = jax.jit(lambda: M.init_params(cfg, 0, dtype=jnp.bfloat16, fp4_experts=fp4))()
     jax.block_until_ready(params)
     model = jm.Model(cfg, params, None)
     max_len = a.prompt + a.new
     bs = 16
     engine = Engine(model, EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=max_len, block_size=bs,
-                                        kv_blocks=kv_blocks(cfg, a.max_num_seqs, max_len, bs, jnp.bfloat16) + 256, max_num_batched_tokens=a.budget,
+                                        kv_blocks=kv_blocks(cfg, a.max_num_seqs, max_len, bs, jnp.bfloat16) + 256,
+                                        max_num_batched_tokens=a.budget,
                                         enable_prefix_caching=not a.no_prefix_caching,
                                         async_scheduling=not a.no_async_scheduling))
-    res = {"stage": name, "experts": "fp4" if a.fp4 else "bf16", "init_s": round(time.perf_counter() - t0, 1),
+    res = {"stage": name, "experts": "fp4" if fp4 else "bf16", "init_s": round(time.perf_counter() - t0, 1),
            "requests": a.requests, "prompt": a.prompt,
            "new": a.new, "max_num_seqs": a.max_num_seqs, "budget": a.budget, "prefix_caching": engine.pool.prefix_caching,
            "max_chunk": engine.scheduler.max_chunk, "async_scheduling": engine.async_scheduling,
@@ -129,7 +131,7 @@ def child(a):
             "compiled_shapes": len(engine.runner.shapes), "preemptions": engine.stats()["preemptions"]}
     assert tokens == a.requests * a.new, tokens
     print(json.dumps(res), flush=True)
-    tag = ("_fp4" if a.fp4 else "") + ("_nopc" if a.no_prefix_caching else "") + \
+    tag = ("_fp4" if fp4 else "") + ("_nopc" if a.no_prefix_caching else "") + \
         ("_sync" if a.no_async_scheduling else "") + ("" if a.warmup == "engine" else f"_warm{a.warmup}")
     with open(os.path.join(a.out, f"serving_{name}_{a.requests}r{a.max_num_seqs}s{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -160,7 +162,7 @@ def main():
         args = [sys.executable, __file__, "--child", stage, "--out", a.out, "--requests", str(a.requests),
                 "--prompt", str(a.prompt), "--new", str(a.new), "--max-num-seqs", str(a.max_num_seqs),
                 "--budget", str(a.budget), "--warmup", a.warmup] + ["--no-prefix-caching"] * a.no_prefix_caching + \
-            ["--no-async-scheduling"] * a.no_async_scheduling + ["--fp4"] * (a.fp4 and stage != "llama")  # (dense)
+            ["--no-async-scheduling"] * a.no_async_scheduling + ["--fp4"] * a.fp4
         if stage == "tiny":
             args[args.index("--requests") + 1] = "16"
         try:
